@@ -1,0 +1,83 @@
+"""Conventions every command shares: output streams, options, errors, exit codes.
+
+- Humans read stderr (Rich); ``--json`` puts exactly one JSON document on stdout.
+- Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 130 interrupted,
+  143 terminated.
+- Rich honours ``NO_COLOR`` and falls back to plain lines when stderr is not a TTY.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+EXIT_CODES_EPILOG = (
+    "Exit codes: 0 ok · 1 runtime failure · 2 usage or config error · "
+    "130 interrupted (SIGINT) · 143 terminated (SIGTERM). "
+    "Human output goes to stderr; --json prints one JSON document on stdout."
+)
+
+
+@dataclass
+class GlobalState:
+    debug: bool = False
+    log_level: str = "WARNING"
+
+
+STATE = GlobalState()
+
+# Human-facing output: always stderr, so stdout stays clean for --json and TOML.
+console = Console(stderr=True, highlight=False)
+
+
+class UsageProblem(Exception):
+    """A usage mistake detected by a command (not by click): exit 2 with this message."""
+
+
+def emit_json(data: Any) -> None:
+    """Write the one JSON document of a --json run to stdout."""
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def configure_logging(level: str) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
+        force=True,
+    )
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+ConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--config", "-c", help="Preset name (tiny, small, bench-tiny, bench-small) or TOML path."
+    ),
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override one field: section.field=value (repeatable)."),
+]
+
+
+def resolve(config: str | None, sets: list[str] | None):
+    """The one loader, as every command calls it."""
+    from jaxlab.config import resolve_config
+
+    return resolve_config(config, sets or [])

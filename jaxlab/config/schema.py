@@ -1,0 +1,307 @@
+"""Typed, validated configuration: one pydantic model per concern.
+
+Every field carries its unit in its name (``warmup_steps``, ``timeout_s``) and every
+model forbids unknown keys, so a typo is an error rather than a silently ignored value.
+Cross-field rules live on :class:`JaxlabConfig` and name the fix in their message.
+
+This module must stay import-light: ``jaxlab --help`` and ``jaxlab config ...`` load it
+without importing jax.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+Dtype = Literal["float32", "bfloat16"]
+
+# Tokens the tokenizer always appends after its learned ranks.
+N_SPECIAL_TOKENS = 2
+BYTE_VOCAB = 256 + N_SPECIAL_TOKENS
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, assignment is validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class RuntimeConfig(Section):
+    seed: int = Field(default=0, ge=0, description="Root seed; every PRNG key is derived from it.")
+    platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
+        default="auto",
+        description="JAX platform to use; 'cpu' forces CPU even on an accelerator host.",
+    )
+    artifacts_dir: str = Field(
+        default="artifacts", description="Root for runs, caches and benchmarks."
+    )
+
+
+class ModelConfig(Section):
+    vocab_size: int = Field(default=512, ge=2, description="Rows of the embedding table.")
+    n_layers: int = Field(default=2, ge=1)
+    d_model: int = Field(default=64, ge=1)
+    n_heads: int = Field(default=4, ge=1)
+    n_kv_heads: int = Field(default=4, ge=1, description="1 = MQA, n_heads = MHA, between = GQA.")
+    d_mlp: int = Field(default=256, ge=1, description="Hidden width of the MLP.")
+    max_seq_len: int = Field(
+        default=256, ge=1, description="Longest sequence (positions) the model supports."
+    )
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    positions: Literal["rope", "learned"] = Field(
+        default="rope",
+        description="'learned' gives the GPT-2-like variant (absolute position table).",
+    )
+    rope_theta: float = Field(default=10_000.0, gt=0)
+    tie_embeddings: bool = False
+    dropout_rate: float = Field(default=0.0, ge=0.0, lt=1.0)
+    norm_eps: float = Field(default=1e-6, gt=0)
+    attention_impl: Literal["einsum", "xla"] = Field(
+        default="einsum",
+        description="'einsum': explicit softmax(QK^T)V; 'xla': jax.nn.dot_product_attention.",
+    )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class TokenizerConfig(Section):
+    kind: Literal["byte", "bpe"] = "bpe"
+    vocab_size: int = Field(
+        default=512, ge=BYTE_VOCAB, description="BPE vocabulary including the 2 special tokens."
+    )
+    train_bytes: int = Field(
+        default=2_000_000, ge=1, description="How many bytes of the corpus the BPE trainer reads."
+    )
+    path: str | None = Field(
+        default=None, description="Directory of a saved tokenizer to load instead."
+    )
+
+    @property
+    def n_vocab(self) -> int:
+        return BYTE_VOCAB if self.kind == "byte" else self.vocab_size
+
+
+class DataConfig(Section):
+    source: Literal["synthetic", "text", "jsonl", "stdlib"] = "synthetic"
+    paths: list[str] = Field(default_factory=list, description="Files or globs ('text', 'jsonl').")
+    jsonl_text_field: str = "text"
+    seq_len: int = Field(default=64, ge=2, description="Tokens per packed training window.")
+    eval_fraction: float = Field(
+        default=0.05, ge=0.0, lt=1.0, description="Share of documents held out."
+    )
+    max_bytes: int | None = Field(
+        default=None, ge=1, description="Read at most this much of the corpus."
+    )
+    synthetic_docs: int = Field(
+        default=4000, ge=1, description="Documents the synthetic source makes."
+    )
+    cache_dir: str | None = Field(
+        default=None, description="Token cache; default <artifacts_dir>/cache."
+    )
+
+
+class OptimizerConfig(Section):
+    learning_rate: float = Field(default=3e-3, gt=0)
+    b1: float = Field(default=0.9, ge=0, lt=1)
+    b2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    clip_norm: float = Field(
+        default=1.0, ge=0, description="Global-norm clipping threshold; 0 = off."
+    )
+
+
+class ScheduleConfig(Section):
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(default=20, ge=0)
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Final lr as a share of the peak."
+    )
+
+
+class PrecisionConfig(Section):
+    param_dtype: Dtype = Field(
+        default="float32", description="Master parameters and optimizer state."
+    )
+    compute_dtype: Dtype = Field(
+        default="float32",
+        description="Matmul inputs; logits, softmax, norms and loss stay float32.",
+    )
+
+
+class TrainConfig(Section):
+    steps: int = Field(default=200, ge=1)
+    batch_size: int = Field(
+        default=8, ge=1, description="Global batch in sequences per optimizer step."
+    )
+    grad_accum_steps: int = Field(
+        default=1, ge=1, description="Micro-batches scanned inside one step."
+    )
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    remat: bool = Field(default=False, description="Activation checkpointing per block.")
+    nonfinite_policy: Literal["abort", "skip"] = "abort"
+    log_every_steps: int = Field(default=10, ge=1)
+    eval_every_steps: int = Field(default=0, ge=0, description="0 = only at the end.")
+    eval_batches: int = Field(default=4, ge=1)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(default=100, ge=1)
+    keep_last: int = Field(default=3, ge=1)
+    async_save: bool = True
+
+
+class ParallelConfig(Section):
+    """Mesh shape. -1 on one axis means 'all devices the others leave'."""
+
+    data: int = Field(default=-1, description="Data-parallel axis size (-1 = fill).")
+    fsdp: int = Field(default=1, description="Fully sharded data-parallel axis size.")
+    tensor: int = Field(default=1, description="Tensor (Megatron) parallel axis size.")
+
+    @model_validator(mode="after")
+    def _axes(self) -> ParallelConfig:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        fills = [k for k, v in sizes.items() if v == -1]
+        if len(fills) > 1:
+            raise ValueError(
+                f"only one mesh axis may be -1 (got -1 for {', '.join(fills)}); set the others"
+            )
+        bad = [k for k, v in sizes.items() if v == 0 or v < -1]
+        if bad:
+            raise ValueError(f"mesh axis {bad[0]} must be >= 1 or -1 (got {sizes[bad[0]]})")
+        return self
+
+
+class InferenceConfig(Section):
+    max_len: int | None = Field(
+        default=None, ge=2, description="KV-cache capacity in tokens; default model.max_seq_len."
+    )
+    prefill_buckets: list[int] | None = Field(
+        default=None, description="Prompt length buckets; default powers of two up to max_len."
+    )
+    max_new_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    top_k: int = Field(default=0, ge=0, description="0 = off.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="1.0 = off.")
+    seed: int = Field(default=0, ge=0)
+    stream_chunk_tokens: int = Field(
+        default=8, ge=1, description="Tokens decoded per host round trip."
+    )
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    slots: int = Field(default=4, ge=1, description="Concurrent decode slots sharing one KV cache.")
+    max_queue: int = Field(
+        default=64, ge=1, description="Waiting requests before 503 + Retry-After."
+    )
+    request_timeout_s: float = Field(default=60.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, gt=0)
+    max_body_bytes: int = Field(default=1_000_000, ge=1)
+    max_tokens_limit: int = Field(
+        default=256, ge=1, description="Largest max_tokens a request may ask."
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="If set, /v1/* needs 'Bearer <key>'."
+    )
+    model_name: str = "jaxlab"
+
+
+class BenchConfig(Section):
+    warmup: int = Field(default=2, ge=0, description="Untimed calls before sampling.")
+    repeats: int = Field(default=10, ge=1, description="Timed samples per case.")
+    min_samples_for_tails: int = Field(
+        default=20, ge=1, description="p90/p99 need this many samples."
+    )
+    out_dir: str | None = Field(default=None, description="Default <artifacts_dir>/benchmarks.")
+
+
+class JaxlabConfig(Section):
+    """The whole resolved configuration of a jaxlab run."""
+
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JaxlabConfig:
+        m, t = self.model, self.train
+        errors: list[str] = []
+        if m.d_model % m.n_heads:
+            errors.append(
+                f"model.d_model: must be divisible by model.n_heads (got {m.d_model} and "
+                f"{m.n_heads}); pick d_model as a multiple of n_heads"
+            )
+        elif m.positions == "rope" and m.head_dim % 2:
+            errors.append(
+                f"model.d_model: rotary positions need an even head_dim (got d_model/n_heads = "
+                f"{m.head_dim}); pick d_model = n_heads * an even number"
+            )
+        if m.n_kv_heads > m.n_heads or m.n_heads % m.n_kv_heads:
+            errors.append(
+                f"model.n_kv_heads: must divide model.n_heads (got n_kv_heads={m.n_kv_heads}, "
+                f"n_heads={m.n_heads}); use 1 (MQA), n_heads (MHA) or a divisor"
+            )
+        if self.data.seq_len > m.max_seq_len:
+            errors.append(
+                f"data.seq_len: must be <= model.max_seq_len (got {self.data.seq_len} > "
+                f"{m.max_seq_len}); lower seq_len or raise max_seq_len"
+            )
+        if self.tokenizer.n_vocab > m.vocab_size:
+            errors.append(
+                f"model.vocab_size: smaller than the tokenizer's vocabulary (got "
+                f"{m.vocab_size}, expected >= {self.tokenizer.n_vocab}); raise model.vocab_size"
+            )
+        if t.batch_size % t.grad_accum_steps:
+            errors.append(
+                f"train.batch_size: must be divisible by train.grad_accum_steps (got "
+                f"{t.batch_size} and {t.grad_accum_steps})"
+            )
+        p = self.parallel
+        if p.data > 0 and p.fsdp > 0:
+            dp = p.data * p.fsdp
+            micro = t.batch_size // t.grad_accum_steps if t.grad_accum_steps else t.batch_size
+            if micro % dp:
+                errors.append(
+                    f"train.batch_size: the micro-batch (batch_size / grad_accum_steps = "
+                    f"{micro}) must be divisible by the data-parallel size "
+                    f"(parallel.data * parallel.fsdp = {dp})"
+                )
+        inf = self.inference
+        if inf.max_len is not None and inf.max_len > m.max_seq_len:
+            errors.append(
+                f"inference.max_len: must be <= model.max_seq_len (got {inf.max_len} > "
+                f"{m.max_seq_len})"
+            )
+        if inf.prefill_buckets is not None:
+            cap = inf.max_len or m.max_seq_len
+            bs = inf.prefill_buckets
+            if not bs or sorted(set(bs)) != bs or bs[0] < 1 or bs[-1] > cap:
+                errors.append(
+                    f"inference.prefill_buckets: must be strictly increasing, >= 1 and <= "
+                    f"{cap} (got {bs})"
+                )
+        if m.positions == "learned" and (inf.max_len or m.max_seq_len) > m.max_seq_len:
+            errors.append("inference.max_len: learned positions stop at model.max_seq_len")
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: info.annotation  # type: ignore[misc]
+    for name, info in JaxlabConfig.model_fields.items()
+}

@@ -1,0 +1,9 @@
+"""Process-level runtime facts: platform selection, versions, device inventory.
+
+Importing this package does not import jax; only the functions that need it do.
+"""
+
+from jaxlab.runtime.inventory import cpu_model, device_inventory, git_state, versions
+from jaxlab.runtime.platform import configure_platform
+
+__all__ = ["configure_platform", "cpu_model", "device_inventory", "git_state", "versions"]

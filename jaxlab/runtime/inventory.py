@@ -1,0 +1,111 @@
+"""What this process runs on: versions, devices, CPU, XLA flags, git state.
+
+Used by ``jaxlab devices``, run manifests and benchmark records, so every record says
+where it was measured.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tiktoken", "numpy")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    try:
+        out["jaxlab"] = importlib.metadata.version("jaxlab")
+    except importlib.metadata.PackageNotFoundError:
+        out["jaxlab"] = "source"
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_inventory() -> dict[str, Any]:
+    """Backend, devices and memory as JAX sees them (imports jax)."""
+    import jax
+
+    devices = jax.devices()
+    local = jax.local_devices()
+    first = devices[0]
+
+    def describe(d: Any) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "id": d.id,
+            "platform": d.platform,
+            "kind": d.device_kind,
+            "process_index": d.process_index,
+        }
+        try:
+            stats = d.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if stats:
+            info["memory"] = {
+                k: stats[k]
+                for k in ("bytes_in_use", "bytes_limit", "peak_bytes_in_use")
+                if k in stats
+            }
+        return info
+
+    return {
+        "backend": jax.default_backend(),
+        "platform": first.platform,
+        "device_kind": first.device_kind,
+        "device_count": jax.device_count(),
+        "local_device_count": jax.local_device_count(),
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": [describe(d) for d in local],
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax_platforms": os.environ.get("JAX_PLATFORMS", ""),
+        "versions": versions(),
+    }
+
+
+def git_state(path: Path | None = None) -> dict[str, Any]:
+    """Commit and dirty flag of the checkout holding ``path`` (None outside a checkout)."""
+    cwd = str(path or Path.cwd())
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
+        if commit.returncode != 0:
+            return {"commit": None, "dirty": None}
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def python_info() -> dict[str, str]:
+    return {"executable": sys.executable, "version": sys.version.split()[0]}
