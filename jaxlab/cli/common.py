@@ -39,7 +39,7 @@ class GlobalState:
 STATE = GlobalState()
 
 # Human-facing output: always stderr, so stdout stays clean for --json and TOML.
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class UsageProblem(Exception):

@@ -1,0 +1,263 @@
+"""``jaxlab train``, ``jaxlab resume`` and ``jaxlab eval``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from jaxlab.cli.common import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    ConfigOpt,
+    JsonOpt,
+    SetOpt,
+    UsageProblem,
+    console,
+    emit_json,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    from jaxlab.train.trainer import Trainer
+
+RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="The run directory.")]
+StepsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--steps", help="Stop after this many total steps (the LR schedule spans train.steps)."
+    ),
+]
+
+
+class TrainView:
+    """Rich live view on a TTY; plain lines (one per log interval) otherwise."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.live = console.is_terminal and not quiet
+        self.last_ckpt: int | None = None
+        self.latest: dict[str, Any] = {}
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> TrainView:
+        if self.live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=console,
+            )
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+
+    def _status(self) -> str:
+        m = self.latest
+        if not m:
+            return "compiling"
+        mfu = f" mfu {m['mfu']:.1%}" if m.get("mfu") is not None else ""
+        ck = f" ckpt {self.last_ckpt}" if self.last_ckpt is not None else ""
+        return f"loss {m['loss']:.4f}  {m['tokens_per_s']:,.0f} tok/s{mfu}{ck}"
+
+    # TrainObserver hooks
+    def on_start(self, trainer: Trainer, start_step: int, stop_at: int) -> None:
+        if self._progress is not None:
+            self._task = self._progress.add_task(
+                "train", total=stop_at, completed=start_step, status="compiling"
+            )
+        elif not self.quiet:
+            console.print(f"training steps {start_step}..{stop_at} in {trainer.run_dir.path}")
+
+    def on_dispatch(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def on_metrics(self, records: list[dict[str, Any]]) -> None:
+        self.latest = records[-1]
+        if self._progress is not None:
+            self._progress.update(self._task, status=self._status())
+        elif not self.quiet:
+            console.print(f"step {self.latest['step']}: {self._status()}", markup=False)
+
+    def on_checkpoint(self, step: int) -> None:
+        self.last_ckpt = step
+        if self._progress is None and not self.quiet:
+            console.print(f"checkpoint saved at step {step}")
+
+    def on_event(self, message: str) -> None:
+        if not self.quiet:
+            console.print(message, markup=False)
+
+
+def _quiet_libraries() -> None:
+    """Orbax and absl log every save at INFO; keep that for --log-level DEBUG."""
+    import logging
+
+    from jaxlab.cli.common import STATE
+
+    if STATE.log_level != "DEBUG":
+        logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
+    from jaxlab.train.trainer import NonFiniteError, Preempted
+
+    view = TrainView(quiet=False)
+    trainer.observer = view
+    t0 = time.perf_counter()
+    try:
+        with view:
+            summary = trainer.run(stop_at)
+    except Preempted as p:
+        console.print(str(p), markup=False)
+        if json_:
+            emit_json(
+                {"run_dir": str(p.run_dir), "preempted": True, "step": p.step, "signal": p.signum}
+            )
+        trainer.close()
+        import signal
+
+        raise typer.Exit(
+            EXIT_TERMINATED if p.signum == signal.SIGTERM else EXIT_INTERRUPTED
+        ) from None
+    except NonFiniteError as e:
+        console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        trainer.close()
+        raise typer.Exit(EXIT_FAILURE) from None
+    trainer.close()
+    doc = summary.to_json()
+    doc["wall_s"] = time.perf_counter() - t0
+    if json_:
+        emit_json(doc)
+    else:
+        ev = summary.eval or {}
+        console.print(
+            f"done: {summary.steps} steps, final loss {summary.final_loss:.4f}, "
+            f"eval loss {ev.get('loss', float('nan')):.4f} (ppl {ev.get('perplexity', float('nan')):.2f}), "
+            f"{(summary.tokens_per_s or 0):,.0f} tok/s, compile {summary.compile_s:.2f}s, "
+            f"checkpoints {summary.checkpoints}; run dir {summary.run_dir}",
+            markup=False,
+            soft_wrap=True,
+        )
+
+
+def _configure(cfg: Any) -> None:
+    from jaxlab.runtime import configure_platform
+
+    configure_platform(cfg.runtime.platform)
+    _quiet_libraries()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        epilog="Example: jaxlab train --config tiny --steps 50 --run-dir artifacts/runs/demo"
+    )
+    def train(
+        config: ConfigOpt = "tiny",
+        set_: SetOpt = None,
+        steps: StepsOpt = None,
+        run_dir: Annotated[
+            Path | None, typer.Option("--run-dir", help="Default artifacts/runs/<run_id>.")
+        ] = None,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Train a model from a config; checkpoints, metrics and manifest go to the run dir."""
+        cfg = resolve(config, set_).config
+        _configure(cfg)
+        from jaxlab.train import new_run_id
+        from jaxlab.train.run_dir import RunDir
+        from jaxlab.train.trainer import Trainer
+
+        path = run_dir or Path(cfg.runtime.artifacts_dir) / "runs" / new_run_id()
+        if RunDir(path).exists():
+            raise UsageProblem(
+                f"--run-dir {path} already holds a run; use 'jaxlab resume --run-dir {path}' "
+                "or a new directory"
+            )
+        trainer = Trainer(cfg, path)
+        _run(trainer, steps, json_)
+
+    @app.command(epilog="Example: jaxlab resume --run-dir artifacts/runs/demo --steps 100")
+    def resume(
+        run_dir: RunDirOpt,
+        step: Annotated[str, typer.Option("--step", help="'latest' or a step number.")] = "latest",
+        steps: StepsOpt = None,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Continue a run exactly from a checkpoint (bitwise on CPU)."""
+        from jaxlab.train.run_dir import RunDir
+
+        rd = RunDir(run_dir)
+        if not rd.exists():
+            raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
+        cfg = rd.load_config()
+        _configure(cfg)
+        from jaxlab.checkpoint import CheckpointNotFound
+        from jaxlab.train.trainer import Trainer
+
+        if step != "latest" and not step.isdigit():
+            raise UsageProblem(f"--step: expected 'latest' or a step number (got {step!r})")
+        trainer = Trainer(cfg, run_dir)
+        try:
+            restored = trainer.restore(step)
+        except CheckpointNotFound as e:
+            raise UsageProblem(str(e)) from None
+        console.print(f"resumed from step {restored}", markup=False)
+        _run(trainer, steps, json_)
+
+    @app.command("eval", epilog="Example: jaxlab eval --run-dir artifacts/runs/demo --json")
+    def eval_(
+        run_dir: RunDirOpt,
+        step: Annotated[str, typer.Option("--step", help="'latest' or a step number.")] = "latest",
+        batches: Annotated[
+            int | None, typer.Option("--batches", help="Eval batches (default train.eval_batches).")
+        ] = None,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Token-weighted loss, perplexity and accuracy over the eval split (padding excluded)."""
+        from jaxlab.train.run_dir import RunDir
+
+        rd = RunDir(run_dir)
+        if not rd.exists():
+            raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
+        cfg = rd.load_config()
+        _configure(cfg)
+        from jaxlab.checkpoint import CheckpointNotFound
+        from jaxlab.train.trainer import Trainer
+
+        trainer = Trainer(cfg, run_dir)
+        try:
+            restored = trainer.restore(step)
+        except CheckpointNotFound as e:
+            raise UsageProblem(str(e)) from None
+        result = {"run_dir": str(run_dir), "step": restored, **trainer.evaluate(batches)}
+        trainer.close()
+        if json_:
+            emit_json(result)
+        else:
+            console.print(
+                f"step {restored}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, "
+                f"accuracy {result['accuracy']:.3f} over {int(result['tokens'])} tokens",
+                markup=False,
+            )

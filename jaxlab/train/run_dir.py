@@ -1,0 +1,114 @@
+"""The run directory: everything a run leaves behind, append-only where it grows.
+
+<run_dir>/config.toml      resolved config (rewritten only if identical or new)
+<run_dir>/manifest.json    versions, devices, XLA flags, JAXLAB_* env, git, command line
+<run_dir>/metrics.jsonl    one JSON object per logged step or event, appended and flushed
+<run_dir>/tokenizer/       the tokenizer files (rank file + metadata, with its sha256)
+<run_dir>/checkpoints/     Orbax step directories
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jaxlab.config import JaxlabConfig, config_hash, to_toml
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    def exists(self) -> bool:
+        return self.config_path.is_file()
+
+    def create(self, cfg: JaxlabConfig) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.config_path, to_toml(cfg))
+
+    def load_config(self) -> JaxlabConfig:
+        from jaxlab.config import from_toml
+
+        if not self.exists():
+            raise FileNotFoundError(f"{self.path} is not a run directory (no config.toml)")
+        return from_toml(self.config_path.read_text())
+
+    def write_manifest(self, cfg: JaxlabConfig, extra: dict[str, Any] | None = None) -> None:
+        from jaxlab.runtime.inventory import device_inventory, git_state
+
+        inv = device_inventory()
+        manifest = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": sys.argv,
+            "config_hash": config_hash(cfg),
+            "versions": inv.pop("versions"),
+            "devices": inv,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "jaxlab_env": {
+                k: ("***" if "API_KEY" in k else v)
+                for k, v in sorted(os.environ.items())
+                if k.startswith("JAXLAB_")
+            },
+            "git": git_state(),
+            **(extra or {}),
+        }
+        _atomic_write(self.manifest_path, json.dumps(manifest, indent=2, default=str))
+
+    def append_metrics(self, *records: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            for r in records:
+                f.write(json.dumps(r, default=float) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read_metrics(self) -> Iterator[dict[str, Any]]:
+        if not self.metrics_path.is_file():
+            return
+        with self.metrics_path.open() as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+    def loss_history(self) -> dict[int, float]:
+        """step -> loss; a step logged again after a resume supersedes the earlier line."""
+        out: dict[int, float] = {}
+        for r in self.read_metrics():
+            if r.get("event") == "step":
+                out[int(r["step"])] = float(r["loss"])
+        return dict(sorted(out.items()))

@@ -1,0 +1,161 @@
+"""The train step: a pure function, state in, state out, buffers donated.
+
+``TrainState`` is a plain dict pytree so Orbax saves and restores it without adapters::
+
+    params      nnx.State of the model's parameters (param_dtype, f32 master weights)
+    opt_state   optax state (AdamW moments, schedule count)
+    step        int32 scalar: optimizer updates done so far
+    rng         the root PRNG key (uint32[2]); dropout uses fold_in(rng, step)
+    skipped     int32 scalar: updates dropped by the non-finite guard ('skip' policy)
+    bad_step    int32 scalar: first step whose loss or grad norm was non-finite, -1 if none
+
+Gradient accumulation runs as a ``lax.scan`` over micro-batches inside the one jitted
+step. Each micro-batch contributes the gradient of its *summed* token loss, and the sum
+is divided by the global number of real tokens once, so k micro-batches give the same
+update as one step on the k-times batch (up to f32 summation order).
+
+The non-finite guard costs no extra host sync: the step itself keeps the old state when
+the loss or gradient norm is not finite and records ``bad_step``; the loop reads it with
+the metrics it already fetches, and before every checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxlab.model import apply
+
+Array = jax.Array
+TrainState = dict[str, Any]
+Batch = dict[str, Array]
+
+
+def init_state(params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.PRNGKey(seed),
+        "skipped": jnp.zeros((), jnp.int32),
+        "bad_step": jnp.full((), -1, jnp.int32),
+    }
+
+
+def token_losses(
+    graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, dropout_key: Array | None
+) -> tuple[Array, Array, Array]:
+    """(summed masked cross-entropy, real-token count, correct predictions), all f32."""
+    logits, _ = apply(
+        graphdef,
+        params,
+        batch["tokens"],
+        batch["positions"],
+        segment_ids=batch["segment_ids"],
+        dropout_key=dropout_key,
+    )
+    logits = logits.astype(jnp.float32)
+    targets = batch["targets"]
+    # logsumexp - logit[target]: the same value as -log_softmax[target] without
+    # materialising the normalised [B, T, V] tensor.
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ce = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    mask = batch["loss_mask"].astype(jnp.float32)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * mask
+    return jnp.sum(ce * mask), jnp.sum(mask), jnp.sum(correct)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    *,
+    grad_accum_steps: int,
+    dropout: bool,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
+    """Build the pure step function (jit it with ``donate_argnums=0``)."""
+
+    def sum_loss(params: nnx.State, batch: Batch, key: Array | None):
+        total, n, correct = token_losses(graphdef, params, batch, key)
+        return total, (n, correct)
+
+    grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
+
+    def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Array]]:
+        params = state["params"]
+        step = state["step"]
+        key = jax.random.fold_in(state["rng"], step) if dropout else None
+
+        if grad_accum_steps == 1:
+            (total, (n, correct)), grads = grad_fn(params, batch, key)
+        else:
+            micro = jax.tree.map(
+                lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]),
+                batch,
+            )
+
+            def body(carry, xs):
+                g_acc, l_acc, n_acc, c_acc = carry
+                i, mb = xs
+                k = None if key is None else jax.random.fold_in(key, i)
+                (total, (n, correct)), g = grad_fn(params, mb, k)
+                g_acc = jax.tree.map(jnp.add, g_acc, g)
+                return (g_acc, l_acc + total, n_acc + n, c_acc + correct), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            init = (zeros, jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+            (grads, total, n, correct), _ = jax.lax.scan(
+                body, init, (jnp.arange(grad_accum_steps), micro)
+            )
+
+        denom = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = total / denom
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # Either policy keeps the last good state: 'abort' stops the loop at its next
+        # metrics fetch (and never checkpoints a bad state); 'skip' just moves on.
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_state: TrainState = {
+            "params": keep(new_params, params),
+            "opt_state": keep(new_opt_state, state["opt_state"]),
+            "step": step + 1,
+            "rng": state["rng"],
+            "skipped": state["skipped"] + (~finite).astype(jnp.int32),
+            "bad_step": jnp.where((state["bad_step"] < 0) & ~finite, step + 1, state["bad_step"]),
+        }
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": jnp.asarray(schedule(step), jnp.float32),
+            "tokens": n,
+            "accuracy": correct / denom,
+            "finite": finite,
+        }
+        return new_state, metrics
+
+    return step_fn
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], dict[str, Array]]:
+    def eval_fn(params: nnx.State, batch: Batch) -> dict[str, Array]:
+        total, n, correct = token_losses(graphdef, params, batch, None)
+        return {"loss_sum": total, "tokens": n, "correct": correct}
+
+    return eval_fn
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a pytree: the restore target for Orbax."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+        tree,
+    )

@@ -1,0 +1,466 @@
+"""The training loop: run directory, tokenizer, data, model, step, checkpoints, signals.
+
+The loop's only host syncs are the metrics fetch every ``train.log_every_steps`` (one
+``device_get`` of the pending steps' scalars) and the checkpoint saves. Everything else
+is dispatched asynchronously, so the host prepares batch ``s+1`` while the device runs
+step ``s``.
+
+``--steps N`` (``Trainer.run(stop_at=N)``) is where a run *stops*; the learning-rate
+schedule always spans ``train.steps``. That is what makes ``train --steps 10`` followed by
+``resume --steps 20`` equal to ``train --steps 20``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlab.checkpoint import Checkpointer
+from jaxlab.config import JaxlabConfig, to_toml
+from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
+from jaxlab.data.cache import default_cache_dir
+from jaxlab.model import flops_per_token, make_model, split_model
+from jaxlab.runtime.compiled import ShapeKeyedJit
+from jaxlab.runtime.peak import matmul_peak_gflops
+from jaxlab.tokenizer import Tokenizer, bpe_tokenizer, byte_tokenizer
+from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxlab.train.run_dir import RunDir
+from jaxlab.train.step import (
+    TrainState,
+    abstract_like,
+    init_state,
+    make_eval_step,
+    make_train_step,
+)
+
+log = logging.getLogger("jaxlab.train")
+
+
+class Preempted(Exception):
+    """SIGINT/SIGTERM arrived; the state was saved at ``step``."""
+
+    def __init__(self, signum: int, step: int, run_dir: Path):
+        self.signum = signum
+        self.step = step
+        self.run_dir = run_dir
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"{name}: saved step {step}; resume with: jaxlab resume --run-dir {run_dir}"
+        )
+
+
+class NonFiniteError(Exception):
+    """The loss or gradient norm went non-finite under the 'abort' policy."""
+
+
+class TrainObserver(Protocol):
+    """Hooks for views (the CLI's Rich live view). Subclass to inherit no-op defaults."""
+
+    def on_start(self, trainer: Trainer, start_step: int, stop_at: int) -> None:
+        return None
+
+    def on_dispatch(self, step: int) -> None:
+        return None
+
+    def on_metrics(self, records: list[dict[str, Any]]) -> None:
+        return None
+
+    def on_checkpoint(self, step: int) -> None:
+        return None
+
+    def on_event(self, message: str) -> None:
+        return None
+
+
+class _NoObserver(TrainObserver):
+    pass
+
+
+@dataclass
+class TrainSummary:
+    run_dir: str
+    steps: int
+    start_step: int
+    final_loss: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+    compile_s: float | None
+    checkpoints: list[int]
+    skipped_steps: int
+    eval: dict[str, float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_dir": self.run_dir,
+            "steps": self.steps,
+            "start_step": self.start_step,
+            "final_loss": self.final_loss,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "compile_s": self.compile_s,
+            "checkpoints": self.checkpoints,
+            "skipped_steps": self.skipped_steps,
+            "eval": self.eval,
+            **self.extra,
+        }
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(cfg: JaxlabConfig) -> Tokenizer:
+    """Load ``tokenizer.path`` or learn one from the configured corpus."""
+    t = cfg.tokenizer
+    if t.path:
+        return Tokenizer.load(t.path)
+    if t.kind == "byte":
+        return byte_tokenizer()
+
+    def head() -> Iterator[str]:
+        budget = t.train_bytes
+        for doc in iter_documents(cfg.data):
+            if budget <= 0:
+                return
+            yield doc
+            budget -= len(doc.encode("utf-8"))
+
+    return bpe_tokenizer(head(), t.vocab_size)
+
+
+def tokenizer_for_run(cfg: JaxlabConfig, run_dir: RunDir) -> Tokenizer:
+    if (run_dir.tokenizer_dir / "tokenizer.json").is_file():
+        return Tokenizer.load(run_dir.tokenizer_dir)
+    tok = build_tokenizer(cfg)
+    tok.save(run_dir.tokenizer_dir)
+    return tok
+
+
+def tokenizer_files(directory: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: JaxlabConfig,
+        run_dir: str | Path,
+        *,
+        observer: TrainObserver | None = None,
+        progress: Any = None,
+    ):
+        self.cfg = cfg
+        self.run_dir = RunDir(run_dir)
+        self.observer: TrainObserver = observer or _NoObserver()
+        self._progress = progress
+        self._signal: int | None = None
+
+        new_run = not self.run_dir.exists()
+        if new_run:
+            self.run_dir.create(cfg)
+        elif self.run_dir.config_path.read_text() != to_toml(cfg):
+            raise ValueError(
+                f"{self.run_dir.path} holds a different config; use a new --run-dir or "
+                f"'jaxlab resume --run-dir {self.run_dir.path}'"
+            )
+        self.tokenizer = tokenizer_for_run(cfg, self.run_dir)
+        cache_dir = (
+            Path(cfg.data.cache_dir)
+            if cfg.data.cache_dir
+            else default_cache_dir(cfg.data, cfg.runtime)
+        )
+        self.store = prepare(cfg.data, self.tokenizer, cache_dir, progress=progress)
+        self.loader = TrainLoader(
+            self.store,
+            cfg.data.seq_len,
+            cfg.train.batch_size,
+            cfg.runtime.seed,
+            jax.process_index(),
+            jax.process_count(),
+        )
+        t = cfg.train
+        model = make_model(cfg.model, t.precision, seed=cfg.runtime.seed, remat=t.remat)
+        self.graphdef, params = split_model(model)
+        self.schedule = learning_rate_schedule(t)
+        self.tx = make_optimizer(t)
+        self.state: TrainState = init_state(params, self.tx, cfg.runtime.seed)
+        self.step_fn = ShapeKeyedJit(
+            make_train_step(
+                self.graphdef,
+                self.tx,
+                self.schedule,
+                grad_accum_steps=t.grad_accum_steps,
+                dropout=cfg.model.dropout_rate > 0,
+            ),
+            name="train_step",
+            donate_argnums=(0,),
+        )
+        self.eval_fn = ShapeKeyedJit(make_eval_step(self.graphdef), name="eval_step")
+        self.checkpointer = Checkpointer(
+            self.run_dir.checkpoint_dir,
+            every_steps=cfg.checkpoint.every_steps,
+            keep_last=cfg.checkpoint.keep_last,
+            async_save=cfg.checkpoint.async_save,
+        )
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, training=True)
+        self.peak_gflops: float | None = None
+        if new_run or not self.run_dir.manifest_path.is_file():
+            self.run_dir.write_manifest(
+                cfg,
+                {
+                    "tokenizer_sha256": self.tokenizer.sha256,
+                    "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
+                },
+            )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    def restore(self, step: int | str | None = "latest") -> int:
+        """Load a checkpoint into the trainer's state; returns its step."""
+        target = abstract_like(self.state)
+        restored, meta = self.checkpointer.restore(step, target)
+        if meta.get("tokenizer_sha256") not in (None, self.tokenizer.sha256):
+            raise ValueError("checkpoint tokenizer differs from the run's tokenizer")
+        self.state = restored
+        return self.step
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "config": to_toml(self.cfg),
+            "tokenizer": tokenizer_files(self.run_dir.tokenizer_dir),
+            "tokenizer_sha256": self.tokenizer.sha256,
+            "step": self.step,
+        }
+
+    def save(self, *, force: bool = False, wait: bool = False) -> bool:
+        bad = int(self.state["bad_step"])  # a sync, but saves sync anyway
+        if bad >= 0 and self.cfg.train.nonfinite_policy == "abort":
+            return False
+        started = self.checkpointer.save(self.step, self.state, self._meta(), force=force)
+        if wait:
+            self.checkpointer.wait()
+        if started:
+            self.observer.on_checkpoint(self.step)
+        return started
+
+    # ------------------------------------------------------------------ signals
+
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        def handler(signum: int, _frame: Any) -> None:
+            if self._signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self._signal = signum
+
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for s in previous:
+                signal.signal(s, handler)
+        except ValueError:  # not the main thread: no signal handling
+            previous = {}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    # ------------------------------------------------------------------ loop
+
+    def _device_batch(self, step: int) -> dict[str, jax.Array]:
+        return {k: jnp.asarray(v) for k, v in self.loader.batch(step).items()}
+
+    def run(self, stop_at: int | None = None) -> TrainSummary:
+        cfg = self.cfg
+        stop_at = stop_at or cfg.train.steps
+        start = self.step
+        self.observer.on_start(self, start, stop_at)
+        if self.peak_gflops is None:
+            self.peak_gflops = matmul_peak_gflops(cfg.train.precision.compute_dtype)
+
+        batch = self._device_batch(start)
+        self.step_fn.compile_for(self.state, batch)
+        ct = self.step_fn.timings[-1]
+        self.run_dir.append_metrics(
+            {
+                "event": "compile",
+                "function": ct.name,
+                "step": start,
+                "trace_s": ct.trace_s,
+                "lower_s": ct.lower_s,
+                "compile_s": ct.compile_s,
+                "total_s": ct.total_s,
+            }
+        )
+        self.observer.on_event(f"compiled train_step in {ct.total_s:.2f}s")
+
+        tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        pending: list[tuple[int, dict[str, jax.Array]]] = []
+        last_loss: float | None = None
+        rates: list[float] = []
+        t_fetch = time.perf_counter()
+        log_every = cfg.train.log_every_steps
+
+        def flush() -> None:
+            nonlocal t_fetch, last_loss
+            if not pending:
+                return
+            host = jax.device_get([m for _, m in pending])
+            now = time.perf_counter()
+            step_s = (now - t_fetch) / len(pending)
+            t_fetch = now
+            tps = tokens_per_step / step_s
+            mfu = (
+                self.flops_per_token * tps / (self.peak_gflops * 1e9) if self.peak_gflops else None
+            )
+            records = []
+            for (s, _), m in zip(pending, host, strict=True):
+                rec = {
+                    "event": "step",
+                    "step": s,
+                    "loss": float(m["loss"]),
+                    "lr": float(m["lr"]),
+                    "grad_norm": float(m["grad_norm"]),
+                    "accuracy": float(m["accuracy"]),
+                    "finite": bool(m["finite"]),
+                    "step_time_s": step_s,
+                    "tokens_per_s": tps,
+                    "mfu": mfu,
+                }
+                records.append(rec)
+            # The first window includes the first execution; keep it out of the rate.
+            if pending[0][0] > start + 1:
+                rates.append(tps)
+            pending.clear()
+            self.run_dir.append_metrics(*records)
+            self.observer.on_metrics(records)
+            finite = [r for r in records if r["finite"]]
+            if finite:
+                last_loss = finite[-1]["loss"]
+            bad = [r for r in records if not r["finite"]]
+            if bad and cfg.train.nonfinite_policy == "abort":
+                good = self.checkpointer.latest_step()
+                where = (
+                    f"the last good checkpoint is step {good} (jaxlab resume --run-dir "
+                    f"{self.run_dir.path} --step {good})"
+                    if good is not None
+                    else "no checkpoint was saved before it"
+                )
+                raise NonFiniteError(
+                    f"non-finite loss or gradient norm at step {bad[0]['step']} "
+                    f"(loss={bad[0]['loss']}, grad_norm={bad[0]['grad_norm']}); {where}; "
+                    f"lower train.optimizer.learning_rate or set train.nonfinite_policy='skip'"
+                )
+
+        with self._signals():
+            try:
+                step = start
+                while step < stop_at:
+                    if self._signal is not None:
+                        flush()
+                        self.save(force=True, wait=True)
+                        raise Preempted(self._signal, self.step, self.run_dir.path)
+                    self.state, metrics = self.step_fn(self.state, batch)
+                    step += 1
+                    pending.append((step, metrics))
+                    self.observer.on_dispatch(step)
+                    if step < stop_at:
+                        batch = self._device_batch(step)  # overlaps with the device step
+                    if step % log_every == 0 or step == stop_at:
+                        flush()
+                    if step % cfg.checkpoint.every_steps == 0 and step < stop_at:
+                        flush()
+                        self.save()
+                flush()
+                if self._signal is not None:
+                    self.save(force=True, wait=True)
+                    raise Preempted(self._signal, self.step, self.run_dir.path)
+                self.save(force=True, wait=True)
+            finally:
+                self.checkpointer.wait()
+
+        evaluation = self.evaluate()
+        self.run_dir.append_metrics({"event": "eval", "step": self.step, **evaluation})
+        skipped = int(self.state["skipped"])
+        tps = float(np.median(rates)) if rates else None
+        return TrainSummary(
+            run_dir=str(self.run_dir.path),
+            steps=self.step,
+            start_step=start,
+            final_loss=last_loss,
+            tokens_per_s=tps,
+            mfu=(self.flops_per_token * tps / (self.peak_gflops * 1e9))
+            if tps and self.peak_gflops
+            else None,
+            compile_s=ct.total_s,
+            checkpoints=self.checkpointer.steps(),
+            skipped_steps=skipped,
+            eval=evaluation,
+            extra={"peak_gflops": self.peak_gflops, "recompiles": self.step_fn.compiles - 1},
+        )
+
+    # ------------------------------------------------------------------ eval
+
+    def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
+        """Token-weighted loss, perplexity and accuracy over the eval split."""
+        return evaluate_params(
+            self.eval_fn,
+            self.state["params"],
+            self.store,
+            self.cfg.data.seq_len,
+            self.cfg.train.batch_size,
+            max_batches or self.cfg.train.eval_batches,
+        )
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+def evaluate_params(
+    eval_fn: ShapeKeyedJit,
+    params: Any,
+    store: Any,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int,
+) -> dict[str, float]:
+    loss_sum = tokens = correct = 0.0
+    batches = 0
+    for b in eval_batches(store, seq_len, batch_size, max_batches):
+        out = jax.device_get(eval_fn(params, {k: jnp.asarray(v) for k, v in b.items()}))
+        loss_sum += float(out["loss_sum"])
+        tokens += float(out["tokens"])
+        correct += float(out["correct"])
+        batches += 1
+    if tokens == 0:
+        return {
+            "loss": float("nan"),
+            "perplexity": float("nan"),
+            "accuracy": float("nan"),
+            "tokens": 0.0,
+            "batches": float(batches),
+        }
+    loss = loss_sum / tokens
+    return {
+        "loss": loss,
+        "perplexity": float(np.exp(min(loss, 50.0))),
+        "accuracy": correct / tokens,
+        "tokens": tokens,
+        "batches": float(batches),
+    }
