@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-import click
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -38,7 +37,7 @@ DEFAULT_COMMAND = "run"
 class _BenchGroup(TyperGroup):
     """Routes ``jaxlab bench SUITE... [options]`` to ``jaxlab bench run SUITE...``."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not ctx.resilient_parsing and (
             not args or (args[0] not in self.commands and args[0] not in ctx.help_option_names)
         ):
@@ -130,25 +129,33 @@ def _record_line(r: Record) -> Text:
     return line
 
 
-def _summary_table(records: list[Record], title: str) -> Table:
+def _print_summary(records: list[Record], title: str) -> None:
+    """One table per suite (narrow enough for an 80-column log)."""
     from jaxlab.bench.record import case_label
-    from jaxlab.bench.report import fmt_headline, fmt_value, tail_text
+    from jaxlab.bench.report import by_suite, fmt_headline, fmt_value
 
-    table = Table(title=title, title_justify="left")
-    for col in ("suite", "case", "metric", "median", "p90", "p99", "n", "figures"):
-        table.add_column(col, overflow="fold")
-    for r in records:
-        table.add_row(
-            r.suite,
-            case_label(r.case),
-            r.metric.removesuffix("_time"),
-            fmt_value(r.stats.median, r.unit) if r.ok else Text("FAILED", style="bold red"),
-            tail_text(r, "p90").replace("withheld ", ""),
-            tail_text(r, "p99").replace("withheld ", ""),
-            str(len(r.samples)),
-            fmt_headline(r.derived) if r.ok else (r.error or ""),
-        )
-    return table
+    console.print(Text(title, style="bold"))
+    for suite_name, recs in by_suite(records).items():
+        table = Table(title=suite_name, title_justify="left")
+        for col in ("case", "metric", "median", "p90 / p99", "n", "figures"):
+            table.add_column(col, overflow="fold")
+        for r in recs:
+            s = r.stats
+            if not r.ok:
+                tails = "-"
+            elif s.tails_withheld:
+                tails = "withheld"
+            else:
+                tails = f"{fmt_value(s.p90, r.unit)} / {fmt_value(s.p99, r.unit)}"
+            table.add_row(
+                case_label(r.case),
+                r.metric.removesuffix("_time"),
+                fmt_value(s.median, r.unit) if r.ok else Text("FAILED", style="bold red"),
+                tails,
+                str(len(r.samples)),
+                fmt_headline(r.derived) if r.ok else (r.error or ""),
+            )
+        console.print(table)
 
 
 # --------------------------------------------------------------------------- commands
@@ -179,7 +186,7 @@ def _run(
     configure_platform("cpu" if cpu else cfg.runtime.platform)
     with _LiveReporter() as reporter:
         run = run_bench(names, config=cfg, quick=quick, out=out, reporter=reporter)
-    console.print(_summary_table(run.records, f"jaxlab bench {run.run_id}"))
+    _print_summary(run.records, f"jaxlab bench {run.run_id}")
     notes = run.report.notes if run.report else []
     for note in notes:
         console.print(Text(f"note: {note}", style="yellow"))
@@ -237,7 +244,15 @@ def peak_cmd(
 
     `jaxlab bench peak SUITE...` measures the peak and then those suites in one run.
     """
-    _run(["peak", *(suites or [])], quick=quick, config=config, set_=set_, out=out, cpu=cpu, json_=json_)
+    _run(
+        ["peak", *(suites or [])],
+        quick=quick,
+        config=config,
+        set_=set_,
+        out=out,
+        cpu=cpu,
+        json_=json_,
+    )
 
 
 def _load(path: Path) -> list[Record]:
@@ -309,7 +324,7 @@ def report_cmd(
     if not run_dir.is_dir():
         raise UsageProblem(f"{run_dir}: expected a run directory")
     result = write_report(run_dir, records)
-    console.print(_summary_table(records, f"jaxlab bench report {run_dir}"))
+    _print_summary(records, f"jaxlab bench report {run_dir}")
     for note in result.notes:
         console.print(Text(f"note: {note}", style="yellow"))
     if json_:
