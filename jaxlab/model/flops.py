@@ -18,7 +18,8 @@ FLOPs per token (PaLM appendix B convention; a multiply-add counts 2)::
 
 ``N`` is the parameter count **minus the lookup tables**: the input token embedding when
 untied, and the learned position table (lookups are gathers, not matmuls). The LM head is
-always included; when tied, the shared table is counted once (as the head). The attention
+always included; when tied, the shared table is counted once (as the head). The RMSNorm
+gains stay in ``N`` (negligible: ``(2 L + 1) d``). The attention
 term counts the score (``QK^T``) and value (``PV``) matmuls over the full ``seq_len``
 context, i.e. non-causal (no halving for the causal mask), as in PaLM.
 """
@@ -70,8 +71,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, training: bool = True) ->
     ``training``: ``6 * N + 12 * n_layers * d_model * seq_len``;
     otherwise (forward only): ``2 * N + 4 * n_layers * d_model * seq_len``;
     with ``N = matmul_param_count(cfg)`` = parameters excluding the input token embedding
-    (when untied) and the learned position table, including the LM head. Attention matmuls
-    are counted non-causally (PaLM appendix B).
+    (when untied) and the learned position table, including the LM head (and the norm
+    gains). Attention matmuls are counted non-causally (PaLM appendix B).
     """
     n = matmul_param_count(cfg)
     attn = cfg.n_layers * cfg.d_model * seq_len

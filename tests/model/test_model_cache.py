@@ -37,7 +37,6 @@ CONFIGS = {
     "learned-mqa-xla-tied-gelu": tiny(
         positions="learned", n_kv_heads=1, attention_impl="xla", tie_embeddings=True, mlp="gelu"
     ),
-    "rope-mha-xla": tiny(n_kv_heads=4, attention_impl="xla", n_layers=1),
 }
 
 
