@@ -19,11 +19,16 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Backend, devices, memory, CPU, XLA flags and library versions."""
+        from jaxlab.parallel import build_mesh, check_model_fits, describe_mesh
         from jaxlab.runtime import configure_platform, device_inventory
 
         cfg = resolve(config, set_).config
         configure_platform("cpu" if cpu else cfg.runtime.platform)
         info = device_inventory()
+        # The mesh this config would build here; a bad one is a config error (exit 2).
+        mesh = build_mesh(cfg.parallel)
+        check_model_fits(cfg.model, mesh)
+        info["mesh"] = describe_mesh(mesh)
         if json_:
             emit_json(info)
             return
@@ -46,6 +51,9 @@ def render(info: dict[str, Any]) -> None:
             else ", memory stats: not reported by this backend"
         )
         table.add_row(f"device {d['id']}", f"{d['platform']} {d['kind']}{mem_s}")
+    if "mesh" in info:
+        axes = info["mesh"]["axes"]
+        table.add_row("mesh", " x ".join(f"{k}={v}" for k, v in axes.items()))
     table.add_row("cpu", f"{info['cpu_model']} ({info['cpu_cores']} cores, {info['machine']})")
     table.add_row("XLA_FLAGS", info["xla_flags"] or "(none)")
     table.add_row("JAX_PLATFORMS", info["jax_platforms"] or "(auto)")

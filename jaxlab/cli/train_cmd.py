@@ -123,15 +123,18 @@ def _quiet_libraries() -> None:
 def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
     from jaxlab.train.trainer import NonFiniteError, Preempted
 
-    view = TrainView(quiet=False)
+    # In a multi-process run only process 0 talks; the others train silently.
+    primary = trainer.primary
+    view = TrainView(quiet=not primary)
     trainer.observer = view
     t0 = time.perf_counter()
     try:
         with view:
             summary = trainer.run(stop_at)
     except Preempted as p:
-        console.print(str(p), markup=False)
-        if json_:
+        if primary:
+            console.print(str(p), markup=False)
+        if json_ and primary:
             emit_json(
                 {"run_dir": str(p.run_dir), "preempted": True, "step": p.step, "signal": p.signum}
             )
@@ -142,12 +145,15 @@ def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
             EXIT_TERMINATED if p.signum == signal.SIGTERM else EXIT_INTERRUPTED
         ) from None
     except NonFiniteError as e:
-        console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        if primary:
+            console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
         trainer.close()
         raise typer.Exit(EXIT_FAILURE) from None
     trainer.close()
     doc = summary.to_json()
     doc["wall_s"] = time.perf_counter() - t0
+    if not primary:
+        return
     if json_:
         emit_json(doc)
     else:
@@ -163,10 +169,13 @@ def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
 
 
 def _configure(cfg: Any) -> None:
+    """Platform and multi-process runtime first: both must precede any jax computation."""
+    from jaxlab.parallel.distributed import initialize
     from jaxlab.runtime import configure_platform
 
     configure_platform(cfg.runtime.platform)
     _quiet_libraries()
+    initialize(cfg.runtime)
 
 
 def register(app: typer.Typer) -> None:
@@ -180,10 +189,25 @@ def register(app: typer.Typer) -> None:
         run_dir: Annotated[
             Path | None, typer.Option("--run-dir", help="Default artifacts/runs/<run_id>.")
         ] = None,
+        processes: Annotated[
+            int, typer.Option("--processes", min=1, help="Local processes (jax.distributed).")
+        ] = 1,
         json_: JsonOpt = False,
     ) -> None:
         """Train a model from a config; checkpoints, metrics and manifest go to the run dir."""
         cfg = resolve(config, set_).config
+        if processes > 1:
+            from jaxlab.parallel.launch import launch
+            from jaxlab.train import new_run_id
+
+            # Every process must agree on the run directory, so fix it before forking.
+            path = run_dir or Path(cfg.runtime.artifacts_dir) / "runs" / new_run_id()
+            args = ["train", "--run-dir", str(path)]
+            args += ["--config", config] if config else []
+            args += [x for s in (set_ or []) for x in ("--set", s)]
+            args += ["--steps", str(steps)] if steps else []
+            args += ["--json"] if json_ else []
+            raise typer.Exit(launch(args, processes))
         _configure(cfg)
         from jaxlab.train import new_run_id
         from jaxlab.train.run_dir import RunDir

@@ -27,6 +27,40 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+class DistributedConfig(Section):
+    """Multi-process runtime (``jax.distributed``); ``off`` for one process."""
+
+    mode: Literal["off", "auto", "manual"] = Field(
+        default="off",
+        description="'auto': cluster auto-detection (SLURM, Kubernetes, TPU pods); "
+        "'manual': the coordinator fields below (set by `jaxlab launch`).",
+    )
+    coordinator_address: str | None = Field(default=None, description="host:port of process 0.")
+    num_processes: int | None = Field(default=None, ge=1)
+    process_id: int | None = Field(default=None, ge=0)
+    cpu_collectives: Literal["gloo", "none"] = Field(
+        default="gloo", description="CPU cross-process collectives implementation."
+    )
+    heartbeat_timeout_s: int = Field(
+        default=30, ge=1, description="A silent peer fails the others after this long."
+    )
+
+    @model_validator(mode="after")
+    def _manual(self) -> DistributedConfig:
+        if self.mode == "manual":
+            missing = [
+                f
+                for f in ("coordinator_address", "num_processes", "process_id")
+                if getattr(self, f) is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"runtime.distributed.mode='manual' needs {', '.join(missing)} "
+                    "(or use `jaxlab launch -n N -- ...`, which sets them)"
+                )
+        return self
+
+
 class RuntimeConfig(Section):
     seed: int = Field(default=0, ge=0, description="Root seed; every PRNG key is derived from it.")
     platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
@@ -36,6 +70,7 @@ class RuntimeConfig(Section):
     artifacts_dir: str = Field(
         default="artifacts", description="Root for runs, caches and benchmarks."
     )
+    distributed: DistributedConfig = Field(default_factory=lambda: DistributedConfig())
 
 
 class ModelConfig(Section):

@@ -60,13 +60,17 @@ class ShapeKeyedJit:
     fn: Callable[..., Any]
     name: str
     donate_argnums: tuple[int, ...] = ()
+    out_shardings: Any = None
     warn_on_recompile: bool = True
     timings: list[CompileTiming] = field(default_factory=list)
     _cache: dict[Any, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Static configuration is closed over by ``fn``; every argument is an array pytree.
-        self._jitted = jax.jit(self.fn, donate_argnums=self.donate_argnums)
+        kwargs: dict[str, Any] = {"donate_argnums": self.donate_argnums}
+        if self.out_shardings is not None:
+            kwargs["out_shardings"] = self.out_shardings
+        self._jitted = jax.jit(self.fn, **kwargs)
 
     @property
     def compiles(self) -> int:

@@ -21,6 +21,16 @@ from typing import Any
 from jaxlab.config import JaxlabConfig, config_hash, to_toml
 
 
+def run_identity(cfg: JaxlabConfig) -> str:
+    """The config as the run directory stores it: everything except per-process launch
+    state (``runtime.distributed``), which each process takes from its own environment."""
+    from jaxlab.config.schema import DistributedConfig
+
+    stored = cfg.model_copy(deep=True)
+    stored.runtime.distributed = DistributedConfig()
+    return to_toml(stored)
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
 
@@ -60,14 +70,15 @@ class RunDir:
 
     def create(self, cfg: JaxlabConfig) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.config_path, to_toml(cfg))
+        _atomic_write(self.config_path, run_identity(cfg))
 
     def load_config(self) -> JaxlabConfig:
-        from jaxlab.config import from_toml
+        """The run's config; JAXLAB_* variables still apply (e.g. the distributed launch)."""
+        from jaxlab.config import resolve_config
 
         if not self.exists():
             raise FileNotFoundError(f"{self.path} is not a run directory (no config.toml)")
-        return from_toml(self.config_path.read_text())
+        return resolve_config(self.config_path).config
 
     def write_manifest(self, cfg: JaxlabConfig, extra: dict[str, Any] | None = None) -> None:
         from jaxlab.runtime.inventory import device_inventory, git_state

@@ -24,17 +24,21 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlab.checkpoint import Checkpointer
-from jaxlab.config import JaxlabConfig, to_toml
+from jaxlab.config import JaxlabConfig
 from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
 from jaxlab.data.cache import default_cache_dir
 from jaxlab.model import flops_per_token, make_model, split_model
+from jaxlab.parallel import build_mesh, check_model_fits, describe_mesh, place_batch
+from jaxlab.parallel.distributed import barrier, is_primary
+from jaxlab.parallel.rules import state_shardings
 from jaxlab.runtime.compiled import ShapeKeyedJit
 from jaxlab.runtime.peak import matmul_peak_gflops
 from jaxlab.tokenizer import Tokenizer, bpe_tokenizer, byte_tokenizer
 from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxlab.train.run_dir import RunDir
+from jaxlab.train.run_dir import RunDir, run_identity
 from jaxlab.train.step import (
     TrainState,
     abstract_like,
@@ -168,21 +172,29 @@ class Trainer:
         self._progress = progress
         self._signal: int | None = None
 
+        # Only process 0 writes the run directory; the others wait, then read it.
+        self.primary = is_primary()
         new_run = not self.run_dir.exists()
-        if new_run:
+        barrier("jaxlab-run-dir-checked")
+        if new_run and self.primary:
             self.run_dir.create(cfg)
-        elif self.run_dir.config_path.read_text() != to_toml(cfg):
+        elif not new_run and self.run_dir.config_path.read_text() != run_identity(cfg):
             raise ValueError(
                 f"{self.run_dir.path} holds a different config; use a new --run-dir or "
                 f"'jaxlab resume --run-dir {self.run_dir.path}'"
             )
-        self.tokenizer = tokenizer_for_run(cfg, self.run_dir)
         cache_dir = (
             Path(cfg.data.cache_dir)
             if cfg.data.cache_dir
             else default_cache_dir(cfg.data, cfg.runtime)
         )
-        self.store = prepare(cfg.data, self.tokenizer, cache_dir, progress=progress)
+        if self.primary:
+            self.tokenizer = tokenizer_for_run(cfg, self.run_dir)
+            self.store = prepare(cfg.data, self.tokenizer, cache_dir, progress=progress)
+        barrier("jaxlab-data-prepared")
+        if not self.primary:
+            self.tokenizer = Tokenizer.load(self.run_dir.tokenizer_dir)
+            self.store = prepare(cfg.data, self.tokenizer, cache_dir)
         self.loader = TrainLoader(
             self.store,
             cfg.data.seq_len,
@@ -196,7 +208,16 @@ class Trainer:
         self.graphdef, params = split_model(model)
         self.schedule = learning_rate_schedule(t)
         self.tx = make_optimizer(t)
-        self.state: TrainState = init_state(params, self.tx, cfg.runtime.seed)
+        # Sharding is a value: the mesh and the state's shardings decide the parallelism;
+        # the step below is the same code for 1 device, N devices and N processes.
+        self.mesh = build_mesh(cfg.parallel)
+        check_model_fits(cfg.model, self.mesh)
+        self.state_shardings = state_shardings(params, self.tx, self.mesh)
+        self.state: TrainState = jax.jit(
+            lambda p: init_state(p, self.tx, cfg.runtime.seed),
+            out_shardings=self.state_shardings,
+        )(params)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
         self.step_fn = ShapeKeyedJit(
             make_train_step(
                 self.graphdef,
@@ -207,8 +228,11 @@ class Trainer:
             ),
             name="train_step",
             donate_argnums=(0,),
+            out_shardings=(self.state_shardings, replicated),
         )
-        self.eval_fn = ShapeKeyedJit(make_eval_step(self.graphdef), name="eval_step")
+        self.eval_fn = ShapeKeyedJit(
+            make_eval_step(self.graphdef), name="eval_step", out_shardings=replicated
+        )
         self.checkpointer = Checkpointer(
             self.run_dir.checkpoint_dir,
             every_steps=cfg.checkpoint.every_steps,
@@ -217,12 +241,13 @@ class Trainer:
         )
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, training=True)
         self.peak_gflops: float | None = None
-        if new_run or not self.run_dir.manifest_path.is_file():
+        if self.primary and (new_run or not self.run_dir.manifest_path.is_file()):
             self.run_dir.write_manifest(
                 cfg,
                 {
                     "tokenizer_sha256": self.tokenizer.sha256,
                     "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
+                    "mesh": describe_mesh(self.mesh),
                 },
             )
 
@@ -243,7 +268,7 @@ class Trainer:
 
     def _meta(self) -> dict[str, Any]:
         return {
-            "config": to_toml(self.cfg),
+            "config": run_identity(self.cfg),
             "tokenizer": tokenizer_files(self.run_dir.tokenizer_dir),
             "tokenizer_sha256": self.tokenizer.sha256,
             "step": self.step,
@@ -284,7 +309,11 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def _device_batch(self, step: int) -> dict[str, jax.Array]:
-        return {k: jnp.asarray(v) for k, v in self.loader.batch(step).items()}
+        return place_batch(self.loader.batch(step), self.mesh)
+
+    def _log(self, *records: dict[str, Any]) -> None:
+        if self.primary:
+            self.run_dir.append_metrics(*records)
 
     def run(self, stop_at: int | None = None) -> TrainSummary:
         cfg = self.cfg
@@ -297,7 +326,7 @@ class Trainer:
         batch = self._device_batch(start)
         self.step_fn.compile_for(self.state, batch)
         ct = self.step_fn.timings[-1]
-        self.run_dir.append_metrics(
+        self._log(
             {
                 "event": "compile",
                 "function": ct.name,
@@ -348,7 +377,7 @@ class Trainer:
             if pending[0][0] > start + 1:
                 rates.append(tps)
             pending.clear()
-            self.run_dir.append_metrics(*records)
+            self._log(*records)
             self.observer.on_metrics(records)
             finite = [r for r in records if r["finite"]]
             if finite:
@@ -396,7 +425,7 @@ class Trainer:
                 self.checkpointer.wait()
 
         evaluation = self.evaluate()
-        self.run_dir.append_metrics({"event": "eval", "step": self.step, **evaluation})
+        self._log({"event": "eval", "step": self.step, **evaluation})
         skipped = int(self.state["skipped"])
         tps = float(np.median(rates)) if rates else None
         return TrainSummary(
@@ -426,6 +455,7 @@ class Trainer:
             self.cfg.data.seq_len,
             self.cfg.train.batch_size,
             max_batches or self.cfg.train.eval_batches,
+            mesh=self.mesh,
         )
 
     def close(self) -> None:
@@ -439,11 +469,19 @@ def evaluate_params(
     seq_len: int,
     batch_size: int,
     max_batches: int,
+    *,
+    mesh: Any = None,
 ) -> dict[str, float]:
     loss_sum = tokens = correct = 0.0
     batches = 0
-    for b in eval_batches(store, seq_len, batch_size, max_batches):
-        out = jax.device_get(eval_fn(params, {k: jnp.asarray(v) for k, v in b.items()}))
+    share = (jax.process_index(), jax.process_count())
+    for b in eval_batches(
+        store, seq_len, batch_size, max_batches, process_index=share[0], process_count=share[1]
+    ):
+        placed = (
+            place_batch(b, mesh) if mesh is not None else {k: jnp.asarray(v) for k, v in b.items()}
+        )
+        out = jax.device_get(eval_fn(params, placed))
         loss_sum += float(out["loss_sum"])
         tokens += float(out["tokens"])
         correct += float(out["correct"])
