@@ -255,6 +255,10 @@ class BenchConfig(Section):
         default=20, ge=1, description="p90/p99 need this many samples."
     )
     out_dir: str | None = Field(default=None, description="Default <artifacts_dir>/benchmarks.")
+    peer_python: str | None = Field(
+        default=None,
+        description="A Python with torch + transformers, for the 'peer' suite (HF GPT-2).",
+    )
 
 
 class JaxlabConfig(Section):

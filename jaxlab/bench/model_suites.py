@@ -1,0 +1,194 @@
+"""Suites over the model itself: ``train`` (tokens/s and MFU vs batch and accumulation)
+and ``checkpoint`` (save / restore seconds, and what an async save costs a step).
+
+Both time the same pure, donated train step the trainer runs, on random token batches of
+the configured shape (the data pipeline is measured by the ``tokenizer`` suite and is not
+on the device's critical path: the loop builds batch s+1 while step s runs).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from jaxlab.bench.context import BenchContext
+from jaxlab.bench.record import Record
+from jaxlab.bench.stats import Stats
+from jaxlab.bench.suites import suite
+from jaxlab.bench.timing import Samples, measure
+from jaxlab.config import JaxlabConfig
+
+
+def variant_of(cfg: JaxlabConfig) -> str:
+    m = cfg.model
+    gpt2 = m.mlp == "gelu" and m.positions == "learned" and m.tie_embeddings
+    return "gpt2-like" if gpt2 else f"{m.mlp}+{m.positions}{'+tied' if m.tie_embeddings else ''}"
+
+
+class StepRunner:
+    """A compiled train step plus its state and one device batch, ready to be timed."""
+
+    def __init__(self, cfg: JaxlabConfig, batch_size: int, grad_accum_steps: int):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from jaxlab.model import make_model, split_model
+        from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
+        from jaxlab.train.step import init_state, make_train_step
+
+        t = cfg.train
+        model = make_model(cfg.model, t.precision, seed=0, remat=t.remat)
+        graphdef, params = split_model(model)
+        tx = make_optimizer(t)
+        step = make_train_step(
+            graphdef,
+            tx,
+            learning_rate_schedule(t),
+            grad_accum_steps=grad_accum_steps,
+            dropout=cfg.model.dropout_rate > 0,
+        )
+        self.jitted = jax.jit(step, donate_argnums=0)
+        seq = cfg.data.seq_len
+        rng = np.random.default_rng(0)
+        toks = rng.integers(0, cfg.model.vocab_size, (batch_size, seq + 1))
+        self.batch = {
+            "tokens": jnp.asarray(toks[:, :-1], jnp.int32),
+            "targets": jnp.asarray(toks[:, 1:], jnp.int32),
+            "positions": jnp.tile(jnp.arange(seq, dtype=jnp.int32), (batch_size, 1)),
+            "segment_ids": jnp.ones((batch_size, seq), jnp.int32),
+            "loss_mask": jnp.ones((batch_size, seq), jnp.float32),
+        }
+        self.state = init_state(params, tx, 0)
+        self.tokens_per_step = batch_size * seq
+
+    def compile(self) -> float:
+        t0 = time.perf_counter()
+        self.compiled = self.jitted.lower(self.state, self.batch).compile()
+        return time.perf_counter() - t0
+
+    def __call__(self) -> Any:
+        self.state, metrics = self.compiled(self.state, self.batch)
+        return self.state, metrics
+
+
+def train_cases(cfg: JaxlabConfig, quick: bool) -> list[tuple[int, int]]:
+    b = cfg.train.batch_size
+    batches = [b] if quick else sorted({max(b // 2, 1), b, 2 * b})
+    cases = [(bs, 1) for bs in batches]
+    if b % 2 == 0:
+        cases.append((b, 2))
+    return cases
+
+
+def train_record(ctx: BenchContext, cfg: JaxlabConfig, batch: int, accum: int) -> Record:
+    from jaxlab.model import flops_per_token
+
+    case = {
+        "batch_size": batch,
+        "grad_accum_steps": accum,
+        "seq_len": cfg.data.seq_len,
+        "variant": variant_of(cfg),
+        "compute_dtype": cfg.train.precision.compute_dtype,
+        "attention_impl": cfg.model.attention_impl,
+    }
+    try:
+        runner = StepRunner(cfg, batch, accum)
+        compile_s = runner.compile()
+    except Exception as e:
+        return ctx.failure("step_time", e, case=case)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len, training=True)
+
+    def derive(s: Stats) -> dict[str, Any]:
+        tps = runner.tokens_per_step / s.median_value
+        return {
+            "tokens_per_s": tps,
+            "compile_s": compile_s,
+            **ctx.mfu(fpt * tps, dtype=cfg.train.precision.compute_dtype),
+        }
+
+    return ctx.bench("step_time", runner, case=case, derive=derive)
+
+
+@suite(
+    "train", needs_peak=True, description="train-step tokens/s and MFU vs batch and accumulation"
+)
+def train_suite(ctx: BenchContext) -> Iterator[Record]:
+    cfg = ctx.config
+    for batch, accum in train_cases(cfg, ctx.quick):
+        yield train_record(ctx, cfg, batch, accum)
+
+
+@suite("checkpoint", description="Orbax save/restore seconds; async save's cost on step time")
+def checkpoint_suite(ctx: BenchContext) -> Iterator[Record]:
+    import jax
+
+    from jaxlab.checkpoint import Checkpointer
+    from jaxlab.train.step import abstract_like
+
+    cfg = ctx.config
+    runner = StepRunner(cfg, cfg.train.batch_size, 1)
+    runner.compile()
+    jax.block_until_ready(runner())
+    n_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.state))
+    case = {"state_mib": round(n_bytes / 2**20, 2), "batch_size": cfg.train.batch_size}
+    root = tempfile.mkdtemp(prefix="jaxlab-ckpt-bench-")
+    reps = ctx.repeats(quick_cap=3)
+    try:
+        step = [0]
+
+        def save(async_save: bool) -> Samples:
+            ck = Checkpointer(
+                f"{root}/{'async' if async_save else 'sync'}",
+                every_steps=1,
+                keep_last=2,
+                async_save=async_save,
+            )
+
+            def one() -> None:
+                step[0] += 1
+                ck.save(step[0], runner.state, {"step": step[0]}, force=True)
+                if not async_save:
+                    ck.wait()
+
+            samples = measure(one, warmup=1, repeats=reps, sync=lambda _: None)
+            ck.close()
+            return samples
+
+        yield ctx.record("save_s", "s", save(False), case={**case, "mode": "sync"})
+        # The blocking part of an async save: what the training loop waits for.
+        yield ctx.record("save_s", "s", save(True), case={**case, "mode": "async (blocking part)"})
+
+        ck = Checkpointer(f"{root}/sync", read_only=True)
+        target = abstract_like(runner.state)
+        yield ctx.bench(
+            "restore_s", lambda: ck.restore("latest", target)[0], case=case, repeats=reps, warmup=1
+        )
+        ck.close()
+
+        # Step time with and without an async save in flight.
+        plain = measure(runner, warmup=1, repeats=reps)
+        yield ctx.record("step_time", "s", plain, case={**case, "during": "no save"})
+        ck = Checkpointer(f"{root}/overlap", every_steps=1, keep_last=1, async_save=True)
+
+        def step_with_save() -> Any:
+            step[0] += 1
+            ck.save(step[0], runner.state, {"step": step[0]}, force=True)
+            out = runner()
+            jax.block_until_ready(out)
+            ck.wait()
+            return out
+
+        overlapped = measure(step_with_save, warmup=1, repeats=reps)
+        ck.close()
+        yield ctx.record(
+            "step_time",
+            "s",
+            overlapped,
+            case={**case, "during": "async save started, then step, then wait"},
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
