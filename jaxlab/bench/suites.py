@@ -42,9 +42,13 @@ BUILTIN_SUITE_MODULES: tuple[str, ...] = (
     "jaxlab.bench.peak",
     "jaxlab.bench.tokenizer_suite",
     "jaxlab.bench.compile",
+    "jaxlab.bench.model_suites",
+    "jaxlab.bench.infer_suites",
+    "jaxlab.bench.peer_suite",
+    "jaxlab.bench.serve_suite",
 )
 # CLI subcommand names a suite may not take (``peak`` is both, on purpose).
-RESERVED_NAMES = frozenset({"run", "compare", "report", "list"})
+RESERVED_NAMES = frozenset({"run", "compare", "report", "list", "results"})
 # Suites `jaxlab bench` without names leaves out (they need a server or are long).
 NOT_BY_DEFAULT = frozenset({"serve"})
 

@@ -12,7 +12,17 @@ from typing import Annotated
 
 import typer
 
-from jaxlab.cli import bench_cmd, common, config_cmd, devices_cmd, launch_cmd, train_cmd
+from jaxlab.cli import (
+    bench_cmd,
+    common,
+    config_cmd,
+    devices_cmd,
+    generate_cmd,
+    launch_cmd,
+    reproduce_cmd,
+    serve_cmd,
+    train_cmd,
+)
 from jaxlab.cli.common import (
     EXIT_CODES_EPILOG,
     EXIT_FAILURE,
@@ -52,7 +62,10 @@ def _root(
 
 devices_cmd.register(app)
 train_cmd.register(app)
+generate_cmd.register(app)
 launch_cmd.register(app)
+reproduce_cmd.register(app)
+serve_cmd.register(app)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(bench_cmd.app, name="bench")
 

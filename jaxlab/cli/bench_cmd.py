@@ -340,6 +340,29 @@ def report_cmd(
         )
 
 
+@app.command(
+    "results",
+    epilog="Example: jaxlab bench results docs/benchmarks/<run_id> --out docs/results.md",
+)
+def results_cmd(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Committed record sets (run dirs).")],
+    out: Annotated[Path, typer.Option("--out", help="The markdown file to write.")] = Path(
+        "docs/results.md"
+    ),
+    readme: Annotated[
+        Path | None, typer.Option("--readme", help="Also refresh this README's results block.")
+    ] = Path("README.md"),
+) -> None:
+    """Generate the results document from record sets (no number typed by hand)."""
+    from jaxlab.bench.results_doc import write_results
+
+    for d in run_dirs:
+        if not (d / "records.jsonl").is_file():
+            raise UsageProblem(f"{d}: no records.jsonl (expected a benchmark run directory)")
+    path = write_results(run_dirs, out, readme=readme)
+    console.print(Text(f"wrote {path}"))
+
+
 @app.command("list")
 def list_cmd(json_: JsonOpt = False) -> None:
     """The registered suites."""

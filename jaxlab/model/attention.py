@@ -123,18 +123,26 @@ def attend(q: Array, k: Array, v: Array, mask: Array | None, impl: AttentionImpl
         raise ValueError(f"unknown attention impl {impl!r}; expected 'einsum' or 'xla'")
 
     b, t, h, d = q.shape
-    n_kv = k.shape[2]
-    # Group the query heads by their KV head instead of repeating K/V G times: the einsum
-    # contracts each group against the one shared KV head, so no [B, S, H, D] copy exists.
-    qg = q.reshape(b, t, n_kv, h // n_kv, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s, n_kv = k.shape[1], k.shape[2]
+    g = h // n_kv
+    # Head-major layout: the grouped queries become one [G*T] row axis per KV head, so both
+    # matmuls are plain batched [B, K] matmuls over contiguous [rows, D] / [S, D] slabs.
+    # Group the query heads by their KV head instead of repeating K/V G times: each group
+    # is contracted against the one shared KV head, so no [B, S, H, D] copy exists. On
+    # XLA:CPU this layout also needs fewer transposes in the backward pass than
+    # contracting the [B, T, K, G, D] layout directly (docs/performance.md).
+    qh = q.reshape(b, t, n_kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, n_kv, g * t, d)
+    kh = k.transpose(0, 2, 1, 3)  # [B, K, S, D]
+    vh = v.transpose(0, 2, 1, 3)
+    logits = jnp.einsum("bkqd,bksd->bkqs", qh, kh, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(d))
     if mask is not None:
-        # [B, 1, T, S] -> [B, 1, 1, T, S]: the singleton head axis broadcasts over (K, G).
-        logits = jnp.where(mask[:, :, None], logits, MASK_VALUE)
+        # [B|1, 1, T, S] -> [B|1, 1, 1, T, S]: broadcasts over (K, G) of [B, K, G, T, S].
+        logits = logits.reshape(b, n_kv, g, t, s)
+        logits = jnp.where(mask[:, :, None], logits, MASK_VALUE).reshape(b, n_kv, g * t, s)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, vh)
+    return out.reshape(b, n_kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 # ----------------------------------------------------------------------------- cache write

@@ -56,10 +56,20 @@ def dense(
     ``out_dtype`` (``preferred_element_type``) lets a bf16 matmul hand back its f32
     accumulator directly - used where the result feeds the f32 residual stream or the
     logits, so no precision is thrown away by a round trip through bf16.
+
+    The leading axes are flattened first, so the matmul is a plain 2-D ``[N, k] @ [k, n]``.
+    Same result; but its transpose (the kernel gradient ``x^T @ dy``) is then also a 2-D dot
+    that XLA:CPU runs in place, where the ``[B, T, k]`` form makes it materialise a
+    transposed copy of ``dy`` fused with the producer (several times slower on CPU, see
+    ``docs/performance.md``).
     """
-    return jnp.matmul(
-        x.astype(compute_dtype), kernel.astype(compute_dtype), preferred_element_type=out_dtype
+    lead = x.shape[:-1]
+    y = jnp.matmul(
+        x.reshape(-1, x.shape[-1]).astype(compute_dtype),
+        kernel.astype(compute_dtype),
+        preferred_element_type=out_dtype,
     )
+    return y.reshape(*lead, kernel.shape[-1])
 
 
 def dropout(x: Array, rate: float, key: Array | None) -> Array:

@@ -205,6 +205,44 @@ class Transformer(nnx.Module):
         Returns:
           ``(logits f32[B, T, vocab], new KVCache or None)``.
         """
+        h, new_cache = self.features(
+            tokens,
+            positions,
+            segment_ids=segment_ids,
+            kv_cache=kv_cache,
+            cache_index=cache_index,
+            dropout_key=dropout_key,
+        )
+        if self.lm_head is None:
+            logits = self.embed.attend(h, self.compute_dtype)
+        else:
+            logits = dense(h, self.lm_head[...], self.compute_dtype, jnp.float32)
+        return logits, new_cache
+
+    def head_kernel(self) -> tuple[Array, bool]:
+        """``(kernel, vocab_major)`` of the LM head: the ``[V, d]`` embedding table when
+        tied (``vocab_major=True``), else the ``[d, V]`` ``lm_head``. Logits are
+        ``features @ kernel^T`` resp. ``features @ kernel`` (see :meth:`features`)."""
+        if self.lm_head is None:
+            return self.embed.table[...], True
+        return self.lm_head[...], False
+
+    def features(
+        self,
+        tokens: Array,
+        positions: Array,
+        *,
+        segment_ids: Array | None = None,
+        kv_cache: KVCache | None = None,
+        cache_index: Array | None = None,
+        dropout_key: Array | None = None,
+    ) -> tuple[Array, KVCache | None]:
+        """The LM head's input: final-normed hidden states ``f32[B, T, d_model]``.
+
+        Same arguments as :meth:`__call__`, which is ``features`` followed by the head.
+        The training loss uses this with :func:`jaxlab.model.loss.head_cross_entropy`,
+        so the ``[B, T, vocab]`` logits are never materialised.
+        """
         if tokens.ndim != 2 or positions.shape != tokens.shape:
             raise ValueError(
                 f"tokens and positions must both be [B, T] (got {tokens.shape} and "
@@ -256,12 +294,8 @@ class Transformer(nnx.Module):
                 new_v.append(layer_cache[1])
 
         h = self.final_norm(x)
-        if self.lm_head is None:
-            logits = self.embed.attend(h, self.compute_dtype)
-        else:
-            logits = dense(h, self.lm_head[...], self.compute_dtype, jnp.float32)
         new_cache = None if kv_cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        return logits, new_cache
+        return h, new_cache
 
 
 def make_model(

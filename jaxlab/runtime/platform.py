@@ -1,21 +1,84 @@
-"""Choose the JAX platform before jax is imported.
+"""Choose the JAX platform, and jaxlab's XLA:CPU flag defaults, before jax starts a backend.
 
 JAX reads ``JAX_PLATFORMS`` once, when its backends initialise, so forcing the CPU
 (``--cpu``, ``runtime.platform = "cpu"``) must happen before the first ``import jax``
 touches a backend. Calling this after backends exist still updates ``jax.config``,
 which is honoured as long as no computation ran yet.
+
+``XLA_FLAGS`` is likewise read once, when the first backend starts. For the CPU (and
+``auto``) platform jaxlab adds the flags in :data:`XLA_CPU_DEFAULTS` to it - each one only
+when the user's ``XLA_FLAGS`` does not already name that flag, never once a backend exists,
+and not at all with ``JAXLAB_XLA_CPU_DEFAULTS=0``. See ``docs/performance.md`` for the
+measurements behind them.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 
 _JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
+#: XLA:CPU flags jaxlab sets by default (``--name=value``), with the reason for each.
+#:
+#: * ``xla_cpu_experimental_ynn_fusion_type=individual_dot``: XLA:CPU (jaxlib 0.10) by
+#:   default also hands *reductions* (and the dots feeding them) to YNNPACK
+#:   ("``reduce``" fusions), which on the bench machine made the bench-small train step
+#:   about 1.4x slower than plain XLA reductions. Keeping YNNPACK for individual dots only
+#:   keeps its fast matmuls. No numerics semantics change (no fast-math, f32 stays f32);
+#:   only which kernel runs a dot or a reduction, i.e. the f32 summation order.
+XLA_CPU_DEFAULTS: dict[str, str] = {
+    "xla_cpu_experimental_ynn_fusion_type": "individual_dot",
+}
+
+#: Set to ``0`` to keep ``XLA_FLAGS`` exactly as given.
+OPT_OUT_ENV = "JAXLAB_XLA_CPU_DEFAULTS"
+
+
+def _backends_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except Exception:  # private API moved: assume the worst, leave the flags alone
+        return True
+
+
+def xla_cpu_default_flags(xla_flags: str) -> list[str]:
+    """The ``--flag=value`` entries of :data:`XLA_CPU_DEFAULTS` that ``xla_flags`` lacks."""
+    given = {tok.lstrip("-").split("=", 1)[0] for tok in xla_flags.split() if tok.startswith("--")}
+    return [f"--{name}={value}" for name, value in XLA_CPU_DEFAULTS.items() if name not in given]
+
+
+def apply_xla_cpu_defaults(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Append jaxlab's XLA:CPU defaults to ``XLA_FLAGS``; returns the flags added.
+
+    Adds nothing when the user already names a flag, when ``JAXLAB_XLA_CPU_DEFAULTS=0``,
+    or when a JAX backend has already started (the flags would be ignored, silently).
+    """
+    env = os.environ if environ is None else environ
+    if env.get(OPT_OUT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return []
+    if environ is None and _backends_started():
+        return []
+    current = env.get("XLA_FLAGS", "")
+    added = xla_cpu_default_flags(current)
+    if added:
+        env["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added
+
 
 def configure_platform(platform: str) -> None:
-    """Pin JAX to ``platform`` ('auto' leaves JAX's own choice alone)."""
+    """Pin JAX to ``platform`` ('auto' leaves JAX's own choice alone).
+
+    For ``cpu`` and ``auto`` also applies :data:`XLA_CPU_DEFAULTS`
+    (:func:`apply_xla_cpu_defaults`).
+    """
+    if platform in ("cpu", "auto"):
+        apply_xla_cpu_defaults()
     if platform == "auto":
         return
     name = _JAX_NAMES[platform]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlab.model import apply
+from jaxlab.model.loss import head_cross_entropy
 
 Array = jax.Array
 TrainState = dict[str, Any]
@@ -50,24 +50,33 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, seed: int) -
 def token_losses(
     graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, dropout_key: Array | None
 ) -> tuple[Array, Array, Array]:
-    """(summed masked cross-entropy, real-token count, correct predictions), all f32."""
-    logits, _ = apply(
-        graphdef,
-        params,
+    """(summed masked cross-entropy, real-token count, correct predictions), all f32.
+
+    Per token the loss is ``logsumexp(logits) - logits[target]`` (the same value as
+    ``-log_softmax[target]``), weighted by ``loss_mask``; ``correct`` counts
+    ``argmax(logits) == target`` the same way. The LM head and the cross-entropy run fused
+    and chunked (:func:`jaxlab.model.loss.head_cross_entropy`): the ``[B, T, vocab]``
+    logits and their gradient are never materialised, which on a memory-bound CPU is
+    most of the head's cost (``docs/performance.md``).
+    """
+    model = nnx.merge(graphdef, params)
+    h, _ = model.features(
         batch["tokens"],
         batch["positions"],
         segment_ids=batch["segment_ids"],
         dropout_key=dropout_key,
     )
-    logits = logits.astype(jnp.float32)
-    targets = batch["targets"]
-    # logsumexp - logit[target]: the same value as -log_softmax[target] without
-    # materialising the normalised [B, T, V] tensor.
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    ce = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    kernel, vocab_major = model.head_kernel()
     mask = batch["loss_mask"].astype(jnp.float32)
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * mask
-    return jnp.sum(ce * mask), jnp.sum(mask), jnp.sum(correct)
+    total, correct = head_cross_entropy(
+        h,
+        kernel,
+        batch["targets"],
+        mask,
+        vocab_major=vocab_major,
+        compute_dtype=model.compute_dtype,
+    )
+    return total, jnp.sum(mask), correct
 
 
 def make_train_step(

@@ -1,0 +1,150 @@
+"""Suites over the inference engine: ``prefill`` (latency vs prompt length, bucketed vs
+exact shapes), ``decode`` (latency and tokens/s vs batch) and ``kv-cache`` (cached vs naive
+vs generated length).
+
+Engines are randomly initialised at the configured model shape (throughput does not
+depend on the weights); every timed sample runs after warm-up has compiled everything,
+and the records carry the compile counts so a compile inside a timed call is visible.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from jaxlab.bench.context import BenchContext
+from jaxlab.bench.record import Record
+from jaxlab.bench.suites import suite
+from jaxlab.config import JaxlabConfig
+
+
+def _engine(cfg: JaxlabConfig, buckets: list[int] | None = None) -> Any:
+    from jaxlab.infer.engine import Engine
+
+    if buckets is not None:
+        cfg = cfg.model_copy(deep=True)
+        cfg.inference.prefill_buckets = buckets
+    return Engine.from_config(cfg, seed=0)
+
+
+def _max_len(cfg: JaxlabConfig) -> int:
+    return cfg.inference.max_len or cfg.model.max_seq_len
+
+
+def generation_record(
+    ctx: BenchContext,
+    engine: Any,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    *,
+    kv_cache: bool,
+    extra: dict[str, Any] | None = None,
+) -> Record:
+    from jaxlab.infer.measure import measure_generate
+    from jaxlab.model import flops_per_token
+
+    case = {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "kv_cache": kv_cache,
+        **(extra or {}),
+    }
+    ctx.status(f"generate {case}")
+    try:
+        r = measure_generate(
+            engine,
+            batch,
+            prompt_len,
+            new_tokens,
+            kv_cache=kv_cache,
+            repeats=ctx.repeats(quick_cap=3),
+            warmup=1,
+        )
+    except Exception as e:
+        return ctx.failure("generate_s", e, case=case)
+    fwd = flops_per_token(engine.cfg.model, prompt_len + new_tokens, training=False)
+    derived = {
+        "tokens_per_s": r["tokens_per_s"],
+        "decode_tokens_per_s": r["decode_tokens_per_s"],
+        "per_token_latency_ms": 1e3 * r["decode_s"] / max(new_tokens - 1, 1),
+        "prefill_s": r["prefill_s"],
+        "compiles": r["compiles"],
+        "recompiles_while_timed": r["recompiles_while_timed"],
+        **ctx.mfu(fwd * r["tokens_per_s"], dtype=engine.compute_dtype),
+    }
+    return ctx.record("generate_s", "s", r["wall_s"], case=case, derived=derived)
+
+
+@suite("decode", needs_peak=True, description="decode latency and tokens/s vs batch size")
+def decode_suite(ctx: BenchContext) -> Iterator[Record]:
+    cfg = ctx.config
+    engine = _engine(cfg)
+    cap = _max_len(cfg)
+    prompt, new = min(32, cap // 4), min(128, cap // 2)
+    if ctx.quick:
+        new = min(new, 32)
+    for batch in [1, 8] if ctx.quick else [1, 4, 8, 16]:
+        yield generation_record(ctx, engine, batch, prompt, new, kv_cache=True)
+
+
+@suite("kv-cache", description="cached vs naive (full-prefix) generation vs generated length")
+def kv_cache_suite(ctx: BenchContext) -> Iterator[Record]:
+    cfg = ctx.config
+    engine = _engine(cfg)
+    cap = _max_len(cfg)
+    prompt = min(32, cap // 4)
+    lengths = [16, 32] if ctx.quick else [32, 64, 128]
+    for new in [n for n in lengths if prompt + n <= cap]:
+        for kv in (True, False):
+            yield generation_record(ctx, engine, 8, prompt, new, kv_cache=kv)
+
+
+@suite("prefill", description="prefill latency vs prompt length; bucketed vs exact shapes")
+def prefill_suite(ctx: BenchContext) -> Iterator[Record]:
+    import jax
+    import numpy as np
+
+    from jaxlab.infer.sampling import SamplingParams
+
+    cfg = ctx.config
+    cap = _max_len(cfg)
+    lengths = sorted(
+        {
+            max(1, int(cap * f))
+            for f in ((0.1, 0.3, 0.5) if ctx.quick else (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9))
+        }
+    )
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    for mode in ("bucketed", "exact"):
+        engine = _engine(cfg, None if mode == "bucketed" else sorted(set(lengths)))
+        t0 = time.perf_counter()
+        compile_before = engine._prefill.compiles
+        for n in lengths:  # the sweep a stream of prompt lengths costs, compiles included
+            prompt = rng.integers(0, cfg.model.vocab_size, n).tolist()
+            jax.block_until_ready(engine.prefill_batch([prompt], [sp])[0].tokens)
+        sweep_s = time.perf_counter() - t0
+        yield ctx.record(
+            "sweep_s",
+            "s",
+            [sweep_s],
+            case={"mode": mode, "distinct_lengths": len(lengths)},
+            derived={
+                "prefill_compiles": engine._prefill.compiles - compile_before,
+                "buckets": list(engine.buckets),
+            },
+        )
+        for n in lengths:
+            prompt = rng.integers(0, cfg.model.vocab_size, n).tolist()
+            case = {"mode": mode, "prompt_len": n, "bucket": engine.bucket_for(n)}
+            yield ctx.bench(
+                "prefill_s",
+                lambda p=prompt, e=engine: e.prefill_batch([p], [sp])[0].tokens,
+                case=case,
+                repeats=ctx.repeats(quick_cap=5),
+                warmup=1,
+                derive=lambda s, n=n: {"prompt_tokens_per_s": n / s.median_value},
+            )

@@ -1,0 +1,273 @@
+"""Generate ``docs/results.md`` from committed record sets: no number in it is typed by hand.
+
+    jaxlab bench results docs/benchmarks/<run_id> [...] --out docs/results.md
+
+The document holds a hardware disclosure taken from the records themselves, a headline
+table of the ratios the project's targets are stated in, and one section per suite with
+every record's median and derived figures. Each section says what its numbers show and
+what they do not. A test regenerates the file from the committed records and requires
+byte equality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxlab.bench.record import Record, case_label, load_records
+
+# What each suite's numbers show and do not show (prose; the numbers come from records).
+EXPLAIN: dict[str, tuple[str, str]] = {
+    "peak": (
+        "The device's own ceiling in this run: a jitted square matmul (f32 and bf16) and a "
+        "large elementwise copy. Every MFU figure in the same run divides by this peak.",
+        "A vendor peak. The CPU's practical matmul rate varies with load and clocks, so MFU "
+        "compares runs only when each uses its own run's peak.",
+    ),
+    "train": (
+        "Steady-state time of the jitted, donated train step (forward, backward, AdamW), "
+        "with tokens/s and MFU. Compile time is separate and excluded.",
+        "End-to-end wall time of `jaxlab train`. The data pipeline and checkpoints run on "
+        "the host in parallel with the step and are not part of these samples.",
+    ),
+    "checkpoint": (
+        "Orbax save (sync, and the blocking part of an async save), restore, and one train "
+        "step with an async save in flight.",
+        "Durability on other filesystems. These numbers come from a local disk.",
+    ),
+    "compile": (
+        "trace, lower and compile, timed apart with the AOT API, then the first call and "
+        "the steady state, plus the cost of compiling for a new input shape.",
+        "The model's own compile time. That is logged by each training run (`compile` "
+        "events in metrics.jsonl).",
+    ),
+    "prefill": (
+        "Prefill latency per prompt length, bucketed (padded to powers of two) against "
+        "exact shapes, and the compiles that a sweep of distinct lengths costs in each mode.",
+        "Batched prefill of many prompts at once.",
+    ),
+    "decode": (
+        "Whole greedy generate() calls (prefill plus a fully jitted decode loop), as "
+        "tokens/s and per-token latency against batch size, with compile counts.",
+        "Serving throughput under concurrent arrivals. See the serve suite.",
+    ),
+    "kv-cache": (
+        "Cached decoding against the naive full-prefix path (the whole sequence recomputed "
+        "every token) as the generated length grows.",
+        "Memory: the cache reserves max_len positions per row either way.",
+    ),
+    "tokenizer": (
+        "The BPE trainer (ours) and tiktoken encoding, in MB/s, on the Python stdlib source.",
+        "Other corpora. Throughput depends on the text's pre-token statistics.",
+    ),
+    "peer": (
+        "jaxlab's GPT-2-like variant (GELU MLP, learned positions, tied embeddings, same "
+        "FLOPs per token) side by side with Hugging Face transformers GPT-2 in PyTorch eager "
+        "mode on the CPU, with the same shapes, AdamW, and the same run. Ratios use medians "
+        "measured minutes apart.",
+        "A comparison with compiled PyTorch (torch.compile), which was not measured, or with "
+        "other hardware. Both sides share the same 2 cores.",
+    ),
+    "serve": (
+        "A real server on loopback under closed-loop concurrency and open-loop Poisson "
+        "arrivals: requests/s, output tokens/s, TTFT, TPOT, ITL and end-to-end latency, with "
+        "16 slots against 1 slot (the serialized design).",
+        "Network effects. Client and server share the same 2 cores, which understates the "
+        "server's capacity.",
+    ),
+}
+
+HEADLINES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
+    ("peer", "train_speedup_vs_peer", {}, "training tokens/s, jaxlab / HF GPT-2 (target >= 1.2x)"),
+    (
+        "peer",
+        "generate_speedup_vs_peer",
+        {"batch": 1},
+        "cached generate, batch 1, jaxlab / HF (target >= 5x)",
+    ),
+    (
+        "peer",
+        "generate_speedup_vs_peer",
+        {"batch": 8},
+        "cached generate, batch 8, jaxlab / HF (target >= 2x)",
+    ),
+    ("peer", "cached_over_naive", {"batch": 8}, "cached / naive generate, batch 8 (target >= 10x)"),
+    (
+        "serve",
+        "slots_speedup",
+        {},
+        "server output tokens/s, 16 slots / 1 slot at concurrency 16 (target >= 4x)",
+    ),
+)
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, bool) or x is None:
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        a = abs(x)
+        if a == 0:
+            return "0"
+        if a >= 1000:
+            return f"{x:,.0f}"
+        if a >= 1:
+            return f"{x:.3g}" if a < 100 else f"{x:.1f}"
+        return f"{x:.3g}"
+    if isinstance(x, dict):
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in x.items())
+    if isinstance(x, list):
+        return "[" + ", ".join(_fmt(v) for v in x) + "]"
+    return str(x)
+
+
+def _time(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "s":
+        return f"{v * 1e3:.3g} ms" if v < 1 else f"{v:.3g} s"
+    return f"{_fmt(v)} {unit}"
+
+
+_DERIVED_SHOWN = (
+    "tokens_per_s",
+    "decode_tokens_per_s",
+    "per_token_latency_ms",
+    "mfu",
+    "gflops",
+    "gb_per_s",
+    "mb_per_s",
+    "prompt_tokens_per_s",
+    "prefill_compiles",
+    "compile_s",
+    "first_over_steady",
+    "jaxlab_tokens_per_s",
+    "peer_tokens_per_s",
+    "output_tokens_per_s",
+    "requests_per_s",
+    "ttft_p99_s",
+    "recompiles_while_timed",
+)
+
+
+def _derived(r: Record) -> str:
+    keys = [k for k in _DERIVED_SHOWN if k in r.derived and r.derived[k] is not None]
+    return "; ".join(f"{k}={_fmt(r.derived[k])}" for k in keys)
+
+
+def _matches(r: Record, suite: str, metric: str, case: dict[str, Any]) -> bool:
+    return (
+        r.suite == suite and r.metric == metric and all(r.case.get(k) == v for k, v in case.items())
+    )
+
+
+def headline_table(recs: Sequence[Record]) -> list[str]:
+    lines = ["| what | ratio | from |", "|---|---|---|"]
+    for suite, metric, case, what in HEADLINES:
+        hit = [r for r in recs if _matches(r, suite, metric, case) and r.status == "ok"]
+        if hit:
+            r = hit[-1]
+            lines.append(
+                f"| {what} | **{_fmt(r.stats.median)}x** | {r.suite}: {case_label(r.case)} |"
+            )
+        else:
+            lines.append(f"| {what} | not measured in these record sets | - |")
+    return lines
+
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def readme_with_results(readme: str, recs: Sequence[Record]) -> str:
+    """The README with its results block (between the markers) regenerated."""
+    if START not in readme or END not in readme:
+        return readme
+    head, rest = readme.split(START, 1)
+    _, tail = rest.split(END, 1)
+    block = "\n".join(["", *headline_table(recs), ""])
+    return f"{head}{START}{block}\n{END}{tail}"
+
+
+def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> str:
+    recs = list(records)
+    lines = ["# Results", ""]
+    lines += [
+        "Generated by `jaxlab bench results` from the committed record sets below. Do not edit "
+        "by hand: `tests/bench/test_results_doc.py` regenerates this file and fails if it "
+        "differs. The rules behind every number are in [benchmarking.md](benchmarking.md).",
+        "",
+        "Record sets:",
+        "",
+    ]
+    for d in run_dirs:
+        rel = (
+            d.resolve().relative_to(root.resolve())
+            if d.resolve().is_relative_to(root.resolve())
+            else d
+        )
+        lines.append(f"- [`{rel}`]({rel}/records.jsonl)")
+    lines += ["", "## Hardware and software", ""]
+    envs = sorted(
+        {
+            (r.cpu.model, r.cpu.cores, r.devices.platform, r.devices.kind, r.devices.count)
+            for r in recs
+        }
+    )
+    for cpu, cores, platform, kind, count in envs:
+        lines.append(f"- CPU: {cpu}, {cores} cores; JAX devices: {count} x {platform} ({kind})")
+    vers = sorted({tuple(sorted(r.versions.items())) for r in recs})
+    for v in vers:
+        lines.append("- versions: " + ", ".join(f"{k} {val}" for k, val in v))
+    commits = sorted(
+        {
+            f"{r.git.commit[:10] if r.git.commit else 'unknown'}{' (dirty)' if r.git.dirty else ''}"
+            for r in recs
+        }
+    )
+    lines.append(f"- git: {', '.join(commits)}")
+    lines.append(
+        f"- measured: {min(r.timestamp for r in recs)[:19]} to {max(r.timestamp for r in recs)[:19]} UTC"
+    )
+    lines += ["", "## Headline ratios", "", *headline_table(recs)]
+    suites = list(dict.fromkeys(r.suite for r in recs))
+    for s in suites:
+        shows, not_shows = EXPLAIN.get(s, ("", ""))
+        lines += ["", f"## {s}", ""]
+        if shows:
+            lines += [f"**What it shows.** {shows}", "", f"**What it does not.** {not_shows}", ""]
+        lines += [
+            "| case | metric | median | p90 / p99 | n | derived |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in recs if r.suite == s):
+            if r.status != "ok":
+                lines.append(f"| {case_label(r.case)} | {r.metric} | FAILED | - | - | {r.error} |")
+                continue
+            st = r.stats
+            tails = (
+                "withheld (n < 20)"
+                if st.tails_withheld
+                else f"{_time(st.p90, r.unit)} / {_time(st.p99, r.unit)}"
+            )
+            lines.append(
+                f"| {case_label(r.case)} | {r.metric} | {_time(st.median, r.unit)} | {tails} | {st.n} | {_derived(r)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def load_all(run_dirs: Sequence[Path]) -> list[Record]:
+    recs: list[Record] = []
+    for d in run_dirs:
+        recs += load_records(d)
+    return recs
+
+
+def write_results(run_dirs: Sequence[Path], out: Path, readme: Path | None = None) -> Path:
+    """Write ``out``; also refresh the results block of ``readme`` when given."""
+    recs = load_all(run_dirs)
+    out.write_text(render(run_dirs, recs, out.parent))
+    if readme is not None and readme.is_file():
+        readme.write_text(readme_with_results(readme.read_text(), recs))
+    return out

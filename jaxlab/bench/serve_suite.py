@@ -1,0 +1,236 @@
+"""The ``serve`` suite: a real HTTP server under load (``jaxlab bench serve``).
+
+A server is started in-process on an ephemeral 127.0.0.1 port (uvicorn on a thread, the
+engine on its own thread) over a randomly initialised model of the configured shape with
+the byte tokenizer (throughput does not depend on the weights; ``ignore_eos`` fixes every
+output length). Clients are httpx async clients streaming ``/v1/completions`` (SSE).
+Set ``SERVE_BENCH_URL`` (and ``serve.api_key`` if the server needs one) to measure a
+running server instead; the slot comparison then is skipped.
+
+Cases:
+
+- closed loop: concurrency 1, 4, 16, 64 (``--quick``: 1, 4, 16) against 16 slots;
+- open loop: Poisson arrivals at fractions of the closed-loop capacity measured at
+  concurrency 16;
+- ``slots_speedup``: output tokens/s of 16 slots over 1 slot (the serialized design),
+  both closed-loop at concurrency 16 (target >= 4x), greedy and sampled.
+
+Records per case: ``e2e_s`` (derived: requests/s, output tokens/s, errors, TTFT p99),
+``ttft_s``, ``tpot_s`` and ``itl_s`` (gaps between SSE events; one event carries up to
+``inference.stream_chunk_tokens`` tokens). Tails follow the harness rule (withheld under
+``bench.min_samples_for_tails`` samples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from jaxlab.bench.context import BenchContext
+from jaxlab.bench.record import Record
+from jaxlab.bench.suites import suite
+
+if TYPE_CHECKING:
+    from jaxlab.config import JaxlabConfig
+    from jaxlab.serve.loadgen import LoadResult
+
+URL_ENV = "SERVE_BENCH_URL"
+SWEEP_SLOTS = 16
+COMPARE_CONCURRENCY = 16
+TARGET_SPEEDUP = 4.0
+
+
+def _shape(ctx: BenchContext) -> tuple[int, int]:
+    """(prompt_len, new_tokens) for the configured cache length."""
+    cfg = ctx.config
+    cap = cfg.inference.max_len or cfg.model.max_seq_len
+    prompt = max(1, min(64, cap // 4))
+    new = max(1, min(cfg.inference.max_new_tokens, cap - prompt - 1, 32 if ctx.quick else 128))
+    return prompt, new
+
+
+def _serve_cfg(cfg: JaxlabConfig, slots: int, new_tokens: int) -> JaxlabConfig:
+    c = cfg.model_copy(deep=True)
+    c.serve.slots = slots
+    c.serve.max_queue = max(c.serve.max_queue, 512)
+    c.serve.request_timeout_s = max(c.serve.request_timeout_s, 600.0)
+    c.serve.max_tokens_limit = max(c.serve.max_tokens_limit, new_tokens)
+    return c
+
+
+@contextlib.contextmanager
+def _server(engine: Any, cfg: JaxlabConfig, slots: int, new_tokens: int) -> Iterator[str]:
+    from jaxlab.serve import ModelService, ServerThread
+
+    service = ModelService.from_engine(engine, _serve_cfg(cfg, slots, new_tokens))
+    srv = ServerThread(service).start()
+    try:
+        srv.wait_ready(timeout_s=1800)
+        yield srv.url
+    finally:
+        srv.stop()
+
+
+def _p(values: list[float], q: float, min_n: int) -> float | None:
+    from jaxlab.bench.stats import percentile
+
+    if len(values) < min_n:
+        return None
+    return percentile(sorted(values), q / 100)
+
+
+def _records(
+    ctx: BenchContext, load: LoadResult, case: dict[str, Any], extra: dict[str, Any] | None = None
+) -> Iterator[Record]:
+    from jaxlab.bench.stats import median
+
+    n_min = ctx.min_samples_for_tails
+    ttft = load.samples("ttft_s")
+    if not load.ok:
+        yield ctx.failure(
+            "e2e_s", f"every request failed: {load.error_summary()}", case=case, unit="s"
+        )
+        return
+    derived: dict[str, Any] = {
+        "requests_per_s": load.requests_per_s,
+        "output_tokens_per_s": load.output_tokens_per_s,
+        "requests": len(load.results),
+        "errors": load.errors,
+        "error_kinds": load.error_summary(),
+        "wall_s": load.wall_s,
+        "ttft_p50_s": median(ttft) if ttft else None,
+        "ttft_p99_s": _p(ttft, 99, n_min),
+        **(extra or {}),
+    }
+    yield ctx.record("e2e_s", "s", load.samples("e2e_s"), case=case, derived=derived)
+    for metric in ("ttft_s", "tpot_s", "itl_s"):
+        samples = load.samples(metric)
+        if samples:
+            yield ctx.record(metric, "s", samples, case=case)
+
+
+def _engine(cfg: JaxlabConfig) -> Any:
+    from jaxlab.infer.engine import Engine
+    from jaxlab.tokenizer import Tokenizer, byte_tokenizer
+
+    tok = Tokenizer.load(cfg.tokenizer.path) if cfg.tokenizer.path else byte_tokenizer()
+    return Engine.from_config(cfg, seed=0, tokenizer=tok)
+
+
+@suite("serve", description="HTTP serving under load: concurrency sweep, Poisson, slots vs 1")
+def serve_suite(ctx: BenchContext) -> Iterator[Record]:
+    from jaxlab.serve.loadgen import closed_loop, completion_bodies, make_prompts, poisson
+
+    cfg = ctx.config
+    prompt_len, new = _shape(ctx)
+    external = os.environ.get(URL_ENV)
+    api_key = cfg.serve.api_key.get_secret_value() if cfg.serve.api_key is not None else None
+    model = cfg.serve.model_name if external else None
+    base = {"prompt_len": prompt_len, "new_tokens": new}
+
+    def bodies(n: int, seed: int, temperature: float = 0.0) -> list[dict[str, Any]]:
+        prompts = make_prompts(n, prompt_len, seed=seed)
+        return completion_bodies(prompts, new, model=model, temperature=temperature, seed=seed)
+
+    def run(url: str, n: int, concurrency: int, seed: int, temperature: float = 0.0) -> LoadResult:
+        return closed_loop(url, bodies(n, seed, temperature), concurrency, api_key=api_key)
+
+    engine = None if external else _engine(cfg)
+    with contextlib.ExitStack() as stack:
+
+        def start(slots: int) -> str:
+            if external:
+                return external
+            ctx.status(f"starting a {slots}-slot server (warm-up compiles every bucket)")
+            url = stack.enter_context(_server(engine, cfg, slots, new))
+            run(url, min(4, slots), min(4, slots), seed=999)  # untimed
+            return url
+
+        # ---- closed-loop sweep and Poisson arrivals, against 16 slots
+        url = start(SWEEP_SLOTS)
+        slots_label = "external" if external else SWEEP_SLOTS
+        capacity: float | None = None
+        for c in [1, 4, 16] if ctx.quick else [1, 4, 16, 64]:
+            n = max(8 if ctx.quick else ctx.min_samples_for_tails, (2 if ctx.quick else 3) * c)
+            case = {"mode": "closed", "concurrency": c, "slots": slots_label, **base}
+            ctx.status(f"closed loop, concurrency {c}, {n} requests")
+            load = run(url, n, c, seed=c)
+            if c == COMPARE_CONCURRENCY and load.ok:
+                capacity = load.requests_per_s
+            yield from _records(ctx, load, case, {"sampling": "greedy"})
+        if capacity:
+            n = 16 if ctx.quick else 48
+            for frac in [0.7] if ctx.quick else [0.5, 0.9]:
+                rate = frac * capacity
+                case = {"mode": "poisson", "load": frac, "slots": slots_label, **base}
+                ctx.status(f"Poisson arrivals at {rate:.2f} req/s")
+                load = poisson(url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key)
+                yield from _records(ctx, load, case, {"rate_per_s": rate})
+        if external:
+            ctx.status(f"{URL_ENV} set: skipping the 16-slot vs 1-slot comparison")
+            return
+
+        # ---- the comparison: the same requests against 16 slots and 1 slot, interleaved
+        urls = {SWEEP_SLOTS: url, 1: start(1)}
+        n = 32 if ctx.quick else 48
+        plans = [
+            ("temperature=0.8", 0.8, 1 if ctx.quick else 2),
+            ("greedy", 0.0, 1 if ctx.quick else 3),
+        ]
+        for sampling, temperature, reps in plans:
+            results: dict[int, list[LoadResult]] = {SWEEP_SLOTS: [], 1: []}
+            for rep in range(reps):
+                for slots, u in urls.items():
+                    ctx.status(f"{slots} slot(s), concurrency 16, {sampling}, round {rep + 1}")
+                    load = run(u, n, COMPARE_CONCURRENCY, seed=500 + rep, temperature=temperature)
+                    results[slots].append(load)
+                    case = {
+                        "mode": "compare",
+                        "concurrency": COMPARE_CONCURRENCY,
+                        "slots": slots,
+                        "sampling": sampling,
+                        "round": rep,
+                        **base,
+                    }
+                    yield from _records(ctx, load, case)
+            yield _speedup(ctx, results[SWEEP_SLOTS], results[1], sampling, base)
+
+
+def _speedup(
+    ctx: BenchContext,
+    many: list[LoadResult],
+    one: list[LoadResult],
+    sampling: str,
+    base: dict[str, Any],
+) -> Record:
+    """One ratio per round (each round measures 16 slots, then 1 slot, back to back)."""
+    case = {"concurrency": COMPARE_CONCURRENCY, "sampling": sampling, **base}
+    ratios = [
+        a.output_tokens_per_s / b.output_tokens_per_s
+        for a, b in zip(many, one, strict=True)
+        if a.ok and b.ok and b.output_tokens_per_s > 0
+    ]
+    if not ratios:
+        return ctx.failure("slots_speedup", "a comparison round failed", case=case, unit="x")
+    ttft_many = [x for r in many for x in r.samples("ttft_s")]
+    ttft_one = [x for r in one for x in r.samples("ttft_s")]
+    n_min = ctx.min_samples_for_tails
+    return ctx.record(
+        "slots_speedup",
+        "x",
+        ratios,
+        case=case,
+        better="higher",
+        derived={
+            "output_tokens_per_s": sum(r.output_tokens_per_s for r in many) / len(many),
+            "output_tokens_per_s_1slot": sum(r.output_tokens_per_s for r in one) / len(one),
+            "requests_per_s": sum(r.requests_per_s for r in many) / len(many),
+            "ttft_p99_s": _p(ttft_many, 99, n_min),
+            "ttft_p99_s_1slot": _p(ttft_one, 99, n_min),
+            "errors": sum(r.errors for r in [*many, *one]),
+            "target": TARGET_SPEEDUP,
+            "meets_target": min(ratios) >= TARGET_SPEEDUP,
+        },
+    )

@@ -1,0 +1,199 @@
+"""``jaxlab generate``: sample text from a trained run's checkpoint.
+
+Human output: the generated text on stdout (streamed as it arrives with ``--stream``) and a
+one-line summary on stderr. ``--json``: one document on stdout (text, ids, timings,
+compile counts, bucket, checkpoint step, platform, precision); with ``--stream --json`` the
+text streams to stderr instead. jax is imported only inside the command body.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from jaxlab.cli.common import JsonOpt, UsageProblem, console, emit_json
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise UsageProblem("give either --prompt or --prompt-file, not both")
+    if prompt is None and prompt_file is None:
+        raise UsageProblem("no prompt: give --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageProblem(f"--prompt-file {prompt_file}: cannot read it ({e})") from None
+    assert prompt is not None
+    return prompt
+
+
+def _check_fits(rd: Any, cfg: Any, prompt: str, max_new_tokens: int | None) -> None:
+    """The engine's length check, done early from the run's config and tokenizer files
+    (neither needs jax), so a request that cannot fit fails in milliseconds."""
+    from jaxlab.tokenizer import Tokenizer
+
+    if not (rd.tokenizer_dir / "tokenizer.json").is_file():
+        return  # the engine loads the checkpoint's own copy and checks there
+    n = len(Tokenizer.load(rd.tokenizer_dir).encode(prompt))
+    new = cfg.inference.max_new_tokens if max_new_tokens is None else max_new_tokens
+    cap = cfg.inference.max_len or cfg.model.max_seq_len
+    if n == 0:
+        raise UsageProblem("the prompt is empty (0 tokens); give at least one token")
+    if new < 1:
+        raise UsageProblem(f"--max-new-tokens must be >= 1 (got {new})")
+    if n + new > cap:
+        raise UsageProblem(
+            f"prompt ({n} tokens) + max_new_tokens ({new}) = {n + new} exceeds "
+            f"inference.max_len = {cap}; shorten the prompt, lower max_new_tokens or raise "
+            f"inference.max_len"
+        )
+
+
+def _quiet_libraries() -> None:
+    import logging
+
+    from jaxlab.cli.common import STATE
+
+    if STATE.log_level != "DEBUG":
+        logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        epilog=(
+            "Example: jaxlab generate --run-dir artifacts/runs/demo --prompt 'Once upon' "
+            "--max-new-tokens 64 --stream"
+        )
+    )
+    def generate(
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="A training run directory.")],
+        step: Annotated[
+            int | None, typer.Option("--step", help="Checkpoint step (default: the latest).")
+        ] = None,
+        prompt: Annotated[str | None, typer.Option("--prompt", help="The prompt text.")] = None,
+        prompt_file: Annotated[
+            Path | None, typer.Option("--prompt-file", help="Read the prompt from a file.")
+        ] = None,
+        max_new_tokens: Annotated[
+            int | None,
+            typer.Option("--max-new-tokens", help="Default inference.max_new_tokens."),
+        ] = None,
+        temperature: Annotated[
+            float | None, typer.Option("--temperature", help="0 = greedy (the default).")
+        ] = None,
+        top_k: Annotated[int | None, typer.Option("--top-k", help="0 = off.")] = None,
+        top_p: Annotated[float | None, typer.Option("--top-p", help="1.0 = off.")] = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed.")] = None,
+        kv_cache: Annotated[
+            bool,
+            typer.Option(
+                "--kv-cache/--no-kv-cache",
+                help="--no-kv-cache recomputes the whole sequence per token (for comparison).",
+            ),
+        ] = True,
+        stream: Annotated[
+            bool,
+            typer.Option(
+                "--stream", help="Print text as it is generated (inference.stream_chunk_tokens)."
+            ),
+        ] = False,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Generate text from a checkpoint (KV-cached, decode loop inside jit)."""
+        text_prompt = _read_prompt(prompt, prompt_file)
+        from jaxlab.train.run_dir import RunDir
+
+        rd = RunDir(run_dir)
+        if not rd.exists():
+            raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
+        cfg = rd.load_config()
+        _check_fits(rd, cfg, text_prompt, max_new_tokens)  # usage errors before jax loads
+        from jaxlab.runtime import configure_platform
+
+        configure_platform(cfg.runtime.platform)
+        _quiet_libraries()
+
+        from jaxlab.checkpoint import CheckpointNotFound
+        from jaxlab.infer import (
+            BadRequest,
+            Engine,
+            Request,
+            RequestTooLong,
+            SamplingParams,
+            Utf8Stream,
+        )
+
+        try:
+            engine = Engine.from_run_dir(run_dir, step)
+        except CheckpointNotFound as e:
+            raise UsageProblem(str(e)) from None
+        sampling = SamplingParams.from_config(
+            engine.cfg.inference,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+        )
+        try:
+            ids = engine.encode(text_prompt)
+            engine.check_request(ids, sampling)
+        except (RequestTooLong, BadRequest) as e:
+            raise UsageProblem(str(e)) from None
+        request = Request(ids, sampling)
+
+        if stream:
+            assert engine.tokenizer is not None
+            out = sys.stderr if json_ else sys.stdout
+            utf8 = Utf8Stream(engine.tokenizer)
+            st = engine.stream([request], kv_cache=kv_cache)
+            for new in st:
+                piece = utf8.feed(new[0])
+                if piece:
+                    out.write(piece)
+                    out.flush()
+            out.write(utf8.flush() + "\n")
+            out.flush()
+            gen = st.generation
+            assert gen is not None
+        else:
+            gen = engine.generate([request], kv_cache=kv_cache)
+        res = gen[0]
+        doc: dict[str, Any] = {
+            "text": res.text,
+            "token_ids": res.token_ids,
+            "prompt_tokens": res.prompt_tokens,
+            "generated_tokens": res.generated_tokens,
+            "finish_reason": res.finish_reason,
+            "ttft_s": gen.ttft_s,
+            "prefill_s": gen.prefill_s,
+            "decode_s": gen.decode_s,
+            "tokens_per_s": gen.tokens_per_s,
+            "compile_s": gen.compile_s,
+            "compiles": gen.compiles,
+            "bucket": gen.bucket,
+            "kv_cache": kv_cache,
+            "stream": stream,
+            "checkpoint_step": engine.checkpoint_step,
+            "platform": engine.platform,
+            "precision": engine.precision,
+        }
+        if json_:
+            emit_json(doc)
+            return
+        if not stream:
+            sys.stdout.write((res.text or "") + "\n")
+            sys.stdout.flush()
+        bucket = f", bucket {gen.bucket}" if gen.bucket is not None else ", no kv cache"
+        console.print(
+            f"{res.generated_tokens} tokens ({res.finish_reason}) from a {res.prompt_tokens}-token "
+            f"prompt: ttft {gen.ttft_s * 1e3:.1f} ms, {gen.tokens_per_s:,.0f} tok/s, "
+            f"compile {gen.compile_s:.2f}s{bucket}; step {engine.checkpoint_step}, "
+            f"{engine.platform}, {engine.precision}",
+            markup=False,
+            soft_wrap=True,
+        )

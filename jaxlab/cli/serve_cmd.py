@@ -1,0 +1,152 @@
+"""``jaxlab serve``: serve a run directory over HTTP (native + OpenAI-compatible API)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from jaxlab.cli.common import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    JsonOpt,
+    SetOpt,
+    UsageProblem,
+    console,
+    emit_json,
+)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def _quiet_libraries() -> None:
+    """Orbax/absl warn about the read-only restore; keep that for --log-level DEBUG."""
+    import logging
+
+    from jaxlab.cli.common import STATE
+
+    if STATE.log_level != "DEBUG":
+        logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def _check_step(run_dir: Path, step: int | None) -> None:
+    ckpt = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+    if not steps:
+        raise UsageProblem(f"--run-dir {run_dir}: no checkpoints to serve")
+    if step is not None and step not in steps:
+        raise UsageProblem(f"--step {step}: no such checkpoint (steps: {steps})")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        epilog="Example: jaxlab serve --run-dir artifacts/runs/demo --port 8000 --slots 8. "
+        "SIGTERM drains (ready -> 503, in-flight requests finish) and exits 0."
+    )
+    def serve(
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory to serve.")],
+        step: Annotated[
+            int | None, typer.Option("--step", help="Checkpoint step (default: the latest).")
+        ] = None,
+        host: Annotated[
+            str | None, typer.Option("--host", help="Bind address (default serve.host).")
+        ] = None,
+        port: Annotated[
+            int | None,
+            typer.Option(
+                "--port", min=0, max=65535, help="Port (default serve.port; 0 = any free)."
+            ),
+        ] = None,
+        slots: Annotated[
+            int | None, typer.Option("--slots", min=1, help="Decode slots (default serve.slots).")
+        ] = None,
+        set_: SetOpt = None,
+        port_file: Annotated[
+            Path | None,
+            typer.Option("--port-file", help="Write the bound port to this file once listening."),
+        ] = None,
+        chunk_delay_s: Annotated[
+            float,
+            typer.Option(
+                "--chunk-delay-s",
+                min=0.0,
+                hidden=True,
+                help="Sleep between decode chunks (simulates a slow device; for tests).",
+            ),
+        ] = 0.0,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Serve a trained run: continuous batching over decode slots, /v1/completions + SSE.
+
+        Prints `listening on URL` (stderr) once the port is bound and `ready: URL` once the
+        model is loaded and every bucket is compiled; with --json, one JSON document on
+        stdout at that point. Only serve.*, inference.* and runtime.* can be overridden.
+        """
+        from jaxlab.serve.config import serve_config
+        from jaxlab.train.run_dir import RunDir
+
+        if not RunDir(run_dir).exists():
+            raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
+        _check_step(run_dir, step)
+        cfg = serve_config(run_dir, set_ or [], host=host, port=port, slots=slots)
+
+        from jaxlab.runtime import configure_platform
+
+        configure_platform(cfg.runtime.platform)
+        _quiet_libraries()
+
+        from jaxlab.serve.server import run_server
+        from jaxlab.serve.service import ModelService
+
+        service = ModelService.from_run_dir(cfg, run_dir, step)
+        service.chunk_delay_s = chunk_delay_s
+
+        def on_listening(url: str, bound: int) -> None:
+            if port_file is not None:
+                _write_port_file(port_file, bound)
+            console.print(f"listening on {url} (loading the model)", markup=False)
+
+        def on_ready(url: str) -> None:
+            info = service.info()
+            sched = service.scheduler
+            console.print(
+                f"ready: {url}  model {info['model']} (step {info['checkpoint_step']}, "
+                f"{info['platform']}, {info['precision']}), {info['slots']} slots, "
+                f"max_len {info['max_len']}, buckets {info['prefill_buckets']}, "
+                f"warm-up {sched.warmup_s if sched else 0:.1f}s",
+                markup=False,
+                soft_wrap=True,
+            )
+            if cfg.serve.api_key is not None:
+                console.print("API key required on /v1/* (Authorization: Bearer ...)", markup=False)
+            if json_:
+                doc: dict[str, Any] = {"url": url, "host": cfg.serve.host, **info}
+                doc["port"] = int(url.rsplit(":", 1)[1])
+                doc["compiles"] = sched.compiles_after_warmup if sched else None
+                emit_json(doc)
+
+        try:
+            result = run_server(service, on_listening=on_listening, on_ready=on_ready)
+        except OSError as e:
+            raise UsageProblem(f"cannot listen on {cfg.serve.host}:{cfg.serve.port}: {e}") from None
+        if result.error is not None and result.signal is None:
+            console.print(f"[bold red]error:[/] model failed: {result.error}", markup=True)
+            raise typer.Exit(EXIT_FAILURE)
+        if result.signal is not None:
+            name = signal.Signals(result.signal).name
+            how = "drained" if result.drained else "stopped (drain incomplete)"
+            console.print(f"{name}: {how}; exiting", markup=False)
+            if result.forced:
+                raise typer.Exit(
+                    EXIT_TERMINATED if result.signal == signal.SIGTERM else EXIT_INTERRUPTED
+                )
+            if result.signal == signal.SIGINT:
+                raise typer.Exit(EXIT_INTERRUPTED)

@@ -1,0 +1,218 @@
+"""The pure functions the engine jits: prefill, insert, the loop, the cache-free path.
+
+The cached decode step itself lives in :mod:`jaxlab.infer.fused`.
+
+Each ``make_*`` closes over the static pieces (the model's ``graphdef``, the cache
+capacity, the loop bound ``k``) and returns a function of array pytrees only, ready for
+:class:`jaxlab.runtime.compiled.ShapeKeyedJit`. Nothing here touches the host.
+
+Invariant shared with the model (``cache_mask``): the token at position ``p`` of a row
+lives in cache slot ``p``, and a query at position ``p`` sees slots ``<= p``. Right-padded
+prefill writes padding K/V beyond a row's length; those slots lie in the row's future, are
+never visible, and are overwritten by the row's own decode writes before they could be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlab.config.schema import ModelConfig
+from jaxlab.infer.sampling import SamplingArrays, hits_stop, sample
+from jaxlab.infer.state import DecodeState, NaiveState, from_model_cache
+from jaxlab.model import KVCache, Transformer, apply, cache_mask, init_kv_cache, rope_tables
+from jaxlab.model.layers import dense
+
+Array = jax.Array
+
+S = TypeVar("S", DecodeState, NaiveState)
+
+#: Marks "no token this step" in the ``[k, B]`` outputs of the decode loops.
+NO_TOKEN = -1
+
+
+def advance_rows(
+    tok: Array, active: Array, generated: Array, done: Array, sp: SamplingArrays
+) -> tuple[Array, Array]:
+    """New ``(generated, done)`` after sampling ``tok`` on the ``active`` rows."""
+    generated = jnp.where(active, generated + 1, generated)
+    stopped = hits_stop(tok, sp) | (generated >= sp.max_new)
+    return generated, done | (active & stopped)
+
+
+# --------------------------------------------------------------------------- cached path
+
+
+def prefill_forward(
+    model: Transformer, tokens: Array, lengths: Array, cache: KVCache
+) -> tuple[Array, KVCache]:
+    """The model's cached forward over right-padded ``tokens [B, T]`` from slot 0, with the
+    LM head applied only at each row's last real position: ``(f32[B, V], cache)``.
+
+    Same blocks, masks and cache writes as ``Transformer.__call__`` (it calls the model's
+    own ``Block``s); the only difference is that the final norm and head run on ``B`` rows
+    instead of ``B * T`` (norm and head are per position, so the result is the same). The
+    head is the largest matmul of a small model: at bench-small shapes and ``T = 32`` this
+    is 32x less head work per prefill.
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = model.embed(tokens)
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(positions)
+    rope = (
+        rope_tables(positions, model.head_dim, model.rope_theta)
+        if model.positions_kind == "rope"
+        else None
+    )
+    mask = cache_mask(positions, cache.max_len)
+    start = jnp.zeros((b,), jnp.int32)
+    new_k: list[Array] = []
+    new_v: list[Array] = []
+    for i, block in enumerate(model.blocks):
+        x, layer = block(x, mask, rope, (cache.k[i], cache.v[i]), start, None)
+        assert layer is not None
+        new_k.append(layer[0])
+        new_v.append(layer[1])
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
+    h = model.final_norm(last)
+    if model.lm_head is None:
+        logits = model.embed.attend(h, model.compute_dtype)
+    else:
+        logits = dense(h, model.lm_head[...], model.compute_dtype, jnp.float32)
+    return logits[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def make_prefill(
+    graphdef: nnx.GraphDef, model_cfg: ModelConfig, max_len: int, cache_dtype: jnp.dtype
+) -> Callable[[nnx.State, Array, Array, SamplingArrays], DecodeState]:
+    """``prefill(params, tokens i32[B, T], lengths i32[B], sampling) -> DecodeState``.
+
+    ``tokens`` are right-padded to the bucket length ``T``; row ``b`` is real up to
+    ``lengths[b]``. A fresh ``[B, max_len]`` cache is filled at slots ``0..T-1`` by the
+    model's blocks (:func:`prefill_forward`, then converted to the engine's layout), and the
+    first token is sampled (``t = 0``) from the logits at ``lengths[b] - 1``.
+    """
+
+    def prefill(
+        params: nnx.State, tokens: Array, lengths: Array, sampling: SamplingArrays
+    ) -> DecodeState:
+        b = tokens.shape[0]
+        model = nnx.merge(graphdef, params)
+        cache = init_kv_cache(model_cfg, b, max_len, cache_dtype)
+        last, cache = prefill_forward(model, tokens, lengths, cache)
+        k, v = from_model_cache(cache)
+        zeros = jnp.zeros((b,), jnp.int32)
+        tok = sample(last, sampling, zeros)
+        generated, done = advance_rows(tok, jnp.ones((b,), jnp.bool_), zeros, zeros > 0, sampling)
+        return DecodeState(
+            k=k,
+            v=v,
+            tokens=tok,
+            pos=lengths.astype(jnp.int32),
+            generated=generated,
+            done=done,
+            sampling=sampling,
+        )
+
+    return prefill
+
+
+def decode_loop(
+    step: Callable[[nnx.State, S], tuple[S, Array, Array]],
+    params: nnx.State,
+    state: S,
+    k: int,
+) -> tuple[S, Array, Array]:
+    """Run ``step`` up to ``k`` times inside ``lax.while_loop``; stop when every row is done.
+
+    Returns ``(state, tokens i32[k, B], done bool[B])``. ``done`` is a separate output
+    buffer (not the state's), so it stays valid after the state is donated to the next
+    call -- a caller may dispatch chunk ``i + 1`` before reading chunk ``i``'s flags.
+    """
+    b = state.done.shape[0]
+    out = jnp.full((k, b), NO_TOKEN, jnp.int32)
+
+    def cond(carry: tuple[Array, S, Array]) -> Array:
+        i, st, _ = carry
+        return (i < k) & ~jnp.all(st.done)
+
+    def body(carry: tuple[Array, S, Array]) -> tuple[Array, S, Array]:
+        i, st, buf = carry
+        st, _, emitted = step(params, st)
+        return i + 1, st, jax.lax.dynamic_update_index_in_dim(buf, emitted, i, axis=0)
+
+    _, state, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out))
+    return state, out, state.done
+
+
+def insert(prefix: DecodeState, state: DecodeState, slot: Array) -> DecodeState:
+    """Copy the one-slot ``prefix`` into slot ``slot`` of ``state`` (donate ``state``).
+
+    Cache rows ``slot * K .. slot * K + K - 1`` (the engine layout), every per-row field
+    at ``slot``; each a ``dynamic_update_slice``, in place when ``state`` is donated.
+    """
+    n_kv = prefix.k[0].shape[0]
+
+    def put(big: Array, one: Array, start: Array) -> Array:
+        return jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), start, axis=0)
+
+    rows = jax.tree.map(
+        lambda big, one: put(big, one, slot),
+        dataclasses.replace(state, k=(), v=()),
+        dataclasses.replace(prefix, k=(), v=()),
+    )
+    return dataclasses.replace(
+        rows,
+        k=tuple(put(a, b, slot * n_kv) for a, b in zip(state.k, prefix.k, strict=True)),
+        v=tuple(put(a, b, slot * n_kv) for a, b in zip(state.v, prefix.v, strict=True)),
+    )
+
+
+# ---------------------------------------------------------------------------- naive path
+
+
+def naive_step(
+    graphdef: nnx.GraphDef, params: nnx.State, st: NaiveState
+) -> tuple[NaiveState, Array, Array]:
+    """One cache-free step: run the whole ``[B, max_len]`` buffer, read logits at ``pos``.
+
+    The causal mask hides everything after ``pos`` (right padding, stale tokens), so the
+    logits at ``pos`` are those of the prefix ``buf[:pos + 1]``.
+    """
+    b, s = st.buf.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    logits, _ = apply(graphdef, params, st.buf, positions)
+    logits = jnp.take_along_axis(logits, st.pos[:, None, None], axis=1)[:, 0]
+    tok = sample(logits, st.sampling, st.generated)
+    active = ~st.done
+    generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
+    nxt = jnp.minimum(st.pos + 1, s - 1)
+    cur = jnp.take_along_axis(st.buf, nxt[:, None], axis=1)[:, 0]
+    row = jnp.arange(b)
+    buf = st.buf.at[row, nxt].set(jnp.where(active, tok, cur))
+    new = NaiveState(
+        buf=buf,
+        pos=jnp.where(active, nxt, st.pos),
+        generated=generated,
+        done=done,
+        sampling=st.sampling,
+    )
+    return new, logits, jnp.where(active, tok, NO_TOKEN)
+
+
+def make_naive_decode(
+    graphdef: nnx.GraphDef, k: int
+) -> Callable[[nnx.State, NaiveState], tuple[NaiveState, Array, Array]]:
+    """``naive(params, state) -> (state, tokens i32[k, B], done)``: same loop, no cache."""
+
+    def decode(params: nnx.State, state: NaiveState) -> tuple[NaiveState, Array, Array]:
+        return decode_loop(functools.partial(naive_step, graphdef), params, state, k)
+
+    return decode

@@ -1,0 +1,174 @@
+"""The cached single-token decode step: the model's math, laid out for XLA:CPU's while loop.
+
+Why not ``model.apply(..., kv_cache=...)`` for decode? Measured on the compiled HLO of the
+decode loop (numbers in ``docs/inference.md``), the model's cached path costs, per layer and
+per generated token, full copies of the cache:
+
+* ``attend`` contracts ``q [B,1,K,G,D]`` with ``k [B,S,K,D]`` over the batch dims
+  ``(b, k)``; XLA:CPU canonicalises that dot by transposing the cache to ``[B,K,S,D]``
+  (and V to ``[B,K,D,S]``): two full-cache copies per layer per token;
+* the cache write (``dynamic_update_slice``) feeds both the attention dot (through a
+  reshape) and the loop output, so XLA duplicates it into two fusions that each
+  materialise the cache, and copy insertion adds copies of the loop-carried buffer.
+
+This module computes the same function for ``T = 1`` over the engine's cache layout
+``[B * K, S, D]`` (kv-head major, see :mod:`jaxlab.infer.state`):
+
+1. the attention dots have one batch dim ``n = b * K + j`` that is already the leading
+   axis of the stored cache, so they read it in place (``[G, D] x [S, D]^T`` and
+   ``[G, S] x [S, D]`` per ``n``) -- no transposes, no wasted FLOPs for MHA/GQA/MQA;
+2. the write is one in-place scatter of ``K`` rows per slot whose result feeds the dots
+   directly (no reshape between them), so nothing is duplicated or copied.
+
+It reuses the model's own modules (norms, MLP, embeddings, RoPE, ``dense``), so only the
+attention wiring is restated here; ``tests/infer`` checks it against ``model.apply``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlab.infer.core import NO_TOKEN, advance_rows, decode_loop
+from jaxlab.infer.sampling import sample
+from jaxlab.infer.state import DecodeState
+from jaxlab.model import MASK_VALUE, Transformer, apply_rope, rope_tables
+from jaxlab.model.layers import dense
+
+Array = jax.Array
+
+
+def write_rows(cache: Array, new: Array, pos: Array) -> Array:
+    """Write ``new [B, K, D]`` into ``cache [B*K, S, D]`` at slot ``pos[b]`` of rows ``b*K+j``.
+
+    One scatter with unique, sorted, in-bounds indices (the caller clamps ``pos``), which
+    XLA performs in place on the donated buffer.
+    """
+    b, kv, d = new.shape
+    rows = jnp.arange(b * kv)
+    cols = jnp.repeat(pos, kv)
+    return cache.at[rows, cols].set(
+        new.reshape(b * kv, d).astype(cache.dtype),
+        unique_indices=True,
+        indices_are_sorted=True,
+        mode="promise_in_bounds",
+    )
+
+
+def attend_one(q: Array, k: Array, v: Array, visible: Array) -> Array:
+    """``q [B,H,D]`` over the engine cache ``k, v [B*K,S,D]``; ``visible [B,S]`` -> ``[B,H,D]``.
+
+    Same precision policy as :func:`jaxlab.model.attend`: K/V cast to ``q.dtype``, f32
+    logits and softmax, probabilities cast to the value dtype for the second matmul.
+    Query head ``h`` uses kv head ``h // G`` (the model's grouping).
+    """
+    b, h, d = q.shape
+    n = k.shape[0]
+    g = h * b // n
+    k = k.astype(q.dtype)
+    v = v.astype(q.dtype)
+    qg = q.reshape(n, g, d)
+    logits = jnp.einsum("ngd,nsd->ngs", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * (1.0 / math.sqrt(d))
+    mask = jnp.repeat(visible, n // b, axis=0)[:, None, :]  # [B*K, 1, S]
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("ngs,nsd->ngd", probs, v).reshape(b, h, d)
+
+
+def fused_forward(
+    model: Transformer,
+    tokens: Array,
+    pos: Array,
+    k_cache: tuple[Array, ...],
+    v_cache: tuple[Array, ...],
+) -> tuple[Array, tuple[Array, ...], tuple[Array, ...]]:
+    """Logits ``f32[B, V]`` of one new token per row at ``pos``, and the updated caches.
+
+    Equal to ``model(tokens[:, None], pos[:, None], kv_cache=..., cache_index=pos)``
+    (in the model's layout) up to float summation order.
+    """
+    max_len = k_cache[0].shape[1]
+    b = tokens.shape[0]
+    x = model.embed(tokens[:, None])  # f32 [B, 1, d]
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(pos[:, None])
+    rope = (
+        rope_tables(pos[:, None], model.head_dim, model.rope_theta)
+        if model.positions_kind == "rope"
+        else None
+    )
+    visible = jnp.arange(max_len)[None, :] <= pos[:, None]  # the model's cache_mask
+    new_k: list[Array] = []
+    new_v: list[Array] = []
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        h, kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        qkv = dense(block.attn_norm(x), attn.w_qkv[...], attn.compute_dtype)
+        qkv = qkv.reshape(b, 1, h + 2 * kv, d)
+        q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
+        kc = write_rows(k_cache[i], k[:, 0], pos)
+        vc = write_rows(v_cache[i], v[:, 0], pos)
+        new_k.append(kc)
+        new_v.append(vc)
+        out = attend_one(q[:, 0], kc, vc, visible).reshape(b, 1, h * d)
+        x = x + dense(out, attn.w_out[...], attn.compute_dtype, jnp.float32)
+        x = x + block.mlp(block.mlp_norm(x))
+    hidden = model.final_norm(x)
+    if model.lm_head is None:
+        logits = model.embed.attend(hidden, model.compute_dtype)
+    else:
+        logits = dense(hidden, model.lm_head[...], model.compute_dtype, jnp.float32)
+    return logits[:, 0], tuple(new_k), tuple(new_v)
+
+
+def decode_step(
+    graphdef: nnx.GraphDef, params: nnx.State, st: DecodeState
+) -> tuple[DecodeState, Array, Array]:
+    """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
+
+    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V to cache slot ``pos``), samples the
+    next token with key index ``st.generated``. Done rows compute but do not advance (their
+    position is clamped into the cache); their ``emitted`` is :data:`NO_TOKEN`.
+    """
+    model = nnx.merge(graphdef, params)
+    pos = jnp.minimum(st.pos, st.max_len - 1)
+    logits, k, v = fused_forward(model, st.tokens, pos, st.k, st.v)
+    tok = sample(logits, st.sampling, st.generated)
+    active = ~st.done
+    generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
+    new = DecodeState(
+        k=k,
+        v=v,
+        tokens=jnp.where(active, tok, st.tokens),
+        pos=jnp.where(active, st.pos + 1, st.pos),
+        generated=generated,
+        done=done,
+        sampling=st.sampling,
+    )
+    return new, logits, jnp.where(active, tok, NO_TOKEN)
+
+
+def make_decode(
+    graphdef: nnx.GraphDef, k: int
+) -> Callable[[nnx.State, DecodeState], tuple[DecodeState, Array, Array]]:
+    """``decode(params, state) -> (state, tokens i32[k, B], done bool[B])``: <= ``k`` steps.
+
+    One ``lax.while_loop`` inside the jitted function; it exits early once every row is
+    done, and unfilled entries are :data:`NO_TOKEN`. Jit it with the state donated so the
+    cache is updated in place.
+    """
+    step = functools.partial(decode_step, graphdef)
+
+    def decode(params: nnx.State, state: DecodeState) -> tuple[DecodeState, Array, Array]:
+        return decode_loop(step, params, state, k)
+
+    return decode

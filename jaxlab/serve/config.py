@@ -1,0 +1,60 @@
+"""The config ``jaxlab serve`` runs with: the run's own, with serving sections overridable.
+
+The model, tokenizer and training sections come from the run directory (they must match
+the checkpoint). ``serve.*``, ``inference.*`` and ``runtime.*`` take, lowest to highest:
+the run's ``config.toml``, ``JAXLAB_<SECTION>__<FIELD>`` environment variables (e.g.
+``JAXLAB_SERVE__API_KEY``), ``--set section.field=value``, then the explicit CLI flags
+(``--host``, ``--port``, ``--slots``). Import-light: no jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxlab.config import ConfigError, JaxlabConfig, resolve_config
+
+#: Sections a ``jaxlab serve`` override may touch.
+SERVE_SECTIONS = ("serve", "inference", "runtime")
+
+
+def serve_config(
+    run_dir: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    environ: Mapping[str, str] | None = None,
+    **serve_fields: Any,
+) -> JaxlabConfig:
+    """The resolved serving config of ``run_dir`` (see the module docstring).
+
+    ``serve_fields`` (e.g. ``host="0.0.0.0", port=0, slots=8``) override ``serve.*`` last;
+    ``None`` values are ignored. Raises :class:`~jaxlab.config.ConfigError`.
+    """
+    config_path = Path(run_dir) / "config.toml"
+    if not config_path.is_file():
+        raise ConfigError([f"{run_dir}: not a run directory (no config.toml)"])
+    bad = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] not in SERVE_SECTIONS]
+    if bad:
+        raise ConfigError(
+            [
+                f"--set {o}: jaxlab serve only overrides {', '.join(s + '.*' for s in SERVE_SECTIONS)}"
+                " (the model, tokenizer and training sections come from the run)"
+                for o in bad
+            ]
+        )
+    stored = resolve_config(config_path, (), environ={}).config
+    resolved = resolve_config(config_path, overrides, environ).config
+    data = stored.model_dump()
+    for section in SERVE_SECTIONS:
+        data[section] = getattr(resolved, section).model_dump()
+    for key, value in serve_fields.items():
+        if value is not None:
+            data["serve"][key] = value
+    try:
+        return JaxlabConfig.model_validate(data)
+    except ValueError as e:
+        raise ConfigError([f"serve config: {line}" for line in str(e).splitlines()]) from None
+
+
+__all__ = ["SERVE_SECTIONS", "serve_config"]

@@ -1,0 +1,250 @@
+"""A load generator for ``/v1/completions`` with streaming (httpx async clients).
+
+Two arrival patterns:
+
+- **closed loop** (:func:`closed_loop`): ``concurrency`` workers, each sending its next
+  request as soon as the previous one finished: throughput at a fixed number in flight.
+- **open loop** (:func:`poisson`): requests start at Poisson arrival times (exponential
+  gaps, seeded) whatever the server's state: latency under an offered rate.
+
+Per request it measures, on the client: TTFT (send to the first SSE event with text),
+the gaps between SSE events (ITL; one event carries up to ``inference.stream_chunk_tokens``
+tokens), TPOT ((last - first event) / (tokens - 1)) and end-to-end latency; the output
+token count is the server's ``usage.completion_tokens`` (``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    status: int
+    t_start: float
+    t_end: float
+    ttft_s: float | None = None
+    event_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.t_end - self.t_start
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.event_times)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        if len(self.event_times) < 2 or self.output_tokens < 2:
+            return None
+        return (self.event_times[-1] - self.event_times[0]) / (self.output_tokens - 1)
+
+
+@dataclass
+class LoadResult:
+    """All requests of one run and the wall time from the first send to the last answer."""
+
+    results: list[RequestResult]
+    wall_s: float
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+    @property
+    def errors(self) -> int:
+        return sum(not r.ok for r in self.results)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.ok)
+
+    @property
+    def requests_per_s(self) -> float:
+        return len(self.ok) / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def samples(self, name: str) -> list[float]:
+        """Per-request ``ttft_s``, ``tpot_s``, ``e2e_s``; per-event ``itl_s``."""
+        if name == "itl_s":
+            return [x for r in self.ok for x in r.itl_s]
+        values = [getattr(r, name) for r in self.ok]
+        return [float(v) for v in values if v is not None]
+
+    def error_summary(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.results:
+            if not r.ok:
+                key = str(r.status) if r.status else (r.error or "error").split(":")[0]
+                out[key] = out.get(key, 0) + 1
+        return out
+
+
+def make_prompts(n: int, length: int, seed: int = 0) -> list[str]:
+    """``n`` random lowercase-and-space strings of ``length`` characters (one byte-tokenizer
+    token per character)."""
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz     "
+    return ["".join(rng.choice(alphabet) for _ in range(length)) for _ in range(n)]
+
+
+def completion_bodies(
+    prompts: Sequence[str],
+    max_tokens: int,
+    *,
+    model: str | None = None,
+    temperature: float = 0.8,
+    ignore_eos: bool = True,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    out = []
+    for i, p in enumerate(prompts):
+        body: dict[str, Any] = {
+            "prompt": p,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed + i,
+            "ignore_eos": ignore_eos,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if model is not None:
+            body["model"] = model
+        out.append(body)
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+    t0 = time.perf_counter()
+    res = RequestResult(ok=False, status=0, t_start=t0, t_end=t0)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                res.error = r.text[:200]
+                return res
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                doc = json.loads(data)
+                if "error" in doc:
+                    res.error = str(doc["error"].get("message"))
+                    return res
+                if doc.get("usage"):
+                    res.output_tokens = int(doc["usage"]["completion_tokens"])
+                choices = doc.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    if res.ttft_s is None:
+                        res.ttft_s = now - t0
+                    res.event_times.append(now)
+            res.ok = done
+            if not done:
+                res.error = "stream ended without [DONE]"
+    except (httpx.HTTPError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    finally:
+        res.t_end = time.perf_counter()
+    return res
+
+
+def _client(url: str, api_key: str | None, connections: int, timeout_s: float) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(
+        base_url=url,
+        headers=headers,
+        timeout=httpx.Timeout(timeout_s),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
+
+
+async def closed_loop_async(
+    url: str,
+    bodies: Sequence[dict[str, Any]],
+    concurrency: int,
+    *,
+    api_key: str | None = None,
+    timeout_s: float = 300.0,
+) -> LoadResult:
+    todo = list(reversed(bodies))
+    results: list[RequestResult] = []
+    async with _client(url, api_key, concurrency, timeout_s) as client:
+
+        async def worker() -> None:
+            while todo:
+                results.append(await one_request(client, todo.pop()))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return LoadResult(results, wall)
+
+
+async def poisson_async(
+    url: str,
+    bodies: Sequence[dict[str, Any]],
+    rate_per_s: float,
+    *,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout_s: float = 300.0,
+) -> LoadResult:
+    rng = random.Random(seed)
+    async with _client(url, api_key, max(len(bodies), 1), timeout_s) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        t_next = 0.0
+        for body in bodies:
+            delay = t0 + t_next - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one_request(client, body)))
+            t_next += rng.expovariate(rate_per_s)
+        results = list(await asyncio.gather(*tasks))
+        wall = time.perf_counter() - t0
+    return LoadResult(results, wall)
+
+
+def closed_loop(
+    url: str, bodies: Sequence[dict[str, Any]], concurrency: int, **kw: Any
+) -> LoadResult:
+    return asyncio.run(closed_loop_async(url, bodies, concurrency, **kw))
+
+
+def poisson(url: str, bodies: Sequence[dict[str, Any]], rate_per_s: float, **kw: Any) -> LoadResult:
+    return asyncio.run(poisson_async(url, bodies, rate_per_s, **kw))
+
+
+__all__ = [
+    "LoadResult",
+    "RequestResult",
+    "closed_loop",
+    "closed_loop_async",
+    "completion_bodies",
+    "make_prompts",
+    "one_request",
+    "poisson",
+    "poisson_async",
+]

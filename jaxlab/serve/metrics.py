@@ -1,0 +1,156 @@
+"""Prometheus metrics of one server, on its own ``CollectorRegistry`` (never the global one).
+
+Names follow vLLM's (prefix ``jaxlab_``). Histograms are observed once per finished
+request by the scheduler thread; ``jaxlab_requests_total{status}`` by the HTTP layer (one
+increment per ``/v1/generate`` or ``/v1/completions`` request, labelled with the status
+it answered); ``jaxlab_compilations_total{function}`` is read from the engine's compile
+counters at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from jaxlab.serve.lifecycle import ModelState
+
+#: Latency buckets (seconds) wide enough for a CPU lab and an accelerator.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+
+class _CompileCollector(Collector):
+    """``jaxlab_compilations_total{function}`` from a callable returning the counts."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "jaxlab_compilations",
+            "XLA executables built, per jitted engine function.",
+            labels=["function"],
+        )
+        for name, n in sorted(self._counts().items()):
+            fam.add_metric([name], float(n))
+        yield fam
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "jaxlab_compilations", "XLA executables built.", labels=["function"]
+        )
+
+
+class ServeMetrics:
+    """Every metric the server exports, registered on ``self.registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "jaxlab_time_to_first_token_seconds",
+            "Arrival to first generated token (queue + prefill), per request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "jaxlab_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request (decode_s / (n - 1)).",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jaxlab_e2e_request_latency_seconds",
+            "Arrival to last token, per finished request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "jaxlab_request_queue_time_seconds",
+            "Arrival to admission into a decode slot, per admitted request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "jaxlab_num_requests_running", "Requests holding a decode slot.", registry=r
+        )
+        self.waiting = Gauge(
+            "jaxlab_num_requests_waiting", "Requests queued for a decode slot.", registry=r
+        )
+        self.kv_usage = Gauge(
+            "jaxlab_kv_cache_usage_ratio",
+            "Cache positions holding tokens of running requests / (slots * max_len).",
+            registry=r,
+        )
+        self.slots = Gauge(
+            "jaxlab_num_slots", "Decode slots (the batch of the KV cache).", registry=r
+        )
+        self.model_state = Gauge(
+            "jaxlab_model_state",
+            "1 for the current model lifecycle state, 0 for the others.",
+            ["state"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("jaxlab_prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(
+            "jaxlab_generation_tokens",
+            "Tokens generated (stop tokens excluded), cancelled requests included.",
+            registry=r,
+        )
+        self.requests = Counter(
+            "jaxlab_requests",
+            "Generation requests (/v1/generate, /v1/completions) by the HTTP status answered "
+            "(499: the client went away mid-stream).",
+            ["status"],
+            registry=r,
+        )
+        self.set_state(ModelState.EMPTY)
+
+    def set_state(self, state: ModelState) -> None:
+        for s in ModelState:
+            self.model_state.labels(state=s.value).set(1.0 if s == state else 0.0)
+
+    def track_compiles(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export ``jaxlab_compilations_total{function}`` from ``counts()`` (once)."""
+        self.registry.register(_CompileCollector(counts))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["LATENCY_BUCKETS", "TOKEN_LATENCY_BUCKETS", "ServeMetrics"]

@@ -1,0 +1,598 @@
+"""Continuous batching over the engine's building blocks, on one dedicated thread.
+
+The scheduler owns a batched :class:`~jaxlab.infer.state.DecodeState` of ``slots`` rows
+(one KV cache) and loops::
+
+    drop cancelled / timed-out requests (their slots are freed at once)
+    admit: while a slot is free and a request waits -> prefill (bucketed) -> insert
+    one generate_chunk(k) over every slot      (one jitted while_loop, <= k tokens each)
+    route each slot's new tokens to its request; free the finished slots
+
+Requests come from the asyncio side through :meth:`Scheduler.submit` (thread-safe); the
+scheduler answers through per-request queues: an ``asyncio.Queue`` fed with
+``loop.call_soon_threadsafe`` (or a ``queue.Queue`` for synchronous callers).
+
+A slot is freed on the device by inserting an empty one-row state (``done``, budget 0)
+over it, so a cancelled or stop-string-finished row stops computing at once and the
+decode loop's early exit ("every row done") still works. Warm-up compiles every prefill
+bucket, ``insert`` and ``decode``; after it nothing compiles while serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from jaxlab.serve.metrics import ServeMetrics
+from jaxlab.serve.text import TextAssembler
+
+if TYPE_CHECKING:
+    from jaxlab.infer.engine import Engine
+    from jaxlab.infer.sampling import SamplingParams
+
+log = logging.getLogger("jaxlab.serve")
+
+EventKind = Literal["tokens", "done", "error"]
+
+
+class _DropRecompileWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "recompiled" not in record.getMessage()
+
+
+class ServeError(Exception):
+    """A request-level failure with the HTTP status and code it maps to."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(ServeError):
+    def __init__(self, waiting: int) -> None:
+        super().__init__(
+            503,
+            f"the request queue is full ({waiting} waiting = serve.max_queue); retry later",
+            code="queue_full",
+            retry_after_s=1.0,
+        )
+
+
+class NotAccepting(ServeError):
+    def __init__(self, state: str) -> None:
+        super().__init__(
+            503,
+            f"the server is not accepting requests (model state: {state})",
+            code="not_ready" if state != "draining" else "draining",
+            retry_after_s=5.0,
+        )
+
+
+def _timeout_error(timeout_s: float) -> ServeError:
+    return ServeError(
+        504, f"request exceeded serve.request_timeout_s = {timeout_s:g}s", code="timeout"
+    )
+
+
+@dataclass
+class GenRequest:
+    """One request as the scheduler sees it: token ids, sampling and stop strings."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Event:
+    kind: EventKind
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: ServeError | None = None
+
+
+class RequestHandle:
+    """The caller's side of one request: its events, its output so far, its timings.
+
+    Timestamps are ``time.perf_counter()`` values; the derived durations are seconds.
+    """
+
+    def __init__(
+        self,
+        rid: int,
+        request: GenRequest,
+        *,
+        loop: asyncio.AbstractEventLoop | None,
+        stream: bool,
+        deadline: float,
+        stops: frozenset[int],
+        assembler: TextAssembler,
+        scheduler: Scheduler,
+    ) -> None:
+        self.id = rid
+        self.request = request
+        self.stream = stream
+        self.deadline = deadline
+        self.stop_ids = stops
+        self.text = assembler
+        self._scheduler = scheduler
+        self._loop = loop
+        self._aq: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
+        self._q: queue.Queue[Event] | None = None if loop is not None else queue.Queue()
+        self.cancelled = False
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.error: ServeError | None = None
+        self.token_ids: list[int] = []
+        self.slot: int | None = None
+        self.t_arrival = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.prefill_s = 0.0
+
+    # ------------------------------------------------------------------ caller side
+
+    async def next(self) -> Event:
+        assert self._aq is not None, "submitted without an event loop: use get()"
+        return await self._aq.get()
+
+    def get(self, timeout: float | None = None) -> Event:
+        """Blocking variant of :meth:`next` for synchronous callers."""
+        assert self._q is not None, "submitted with an event loop: use next()"
+        return self._q.get(timeout=timeout)
+
+    def cancel(self) -> None:
+        """Stop this request (no-op once finished); its slot is freed by the scheduler."""
+        if not self.finished:
+            self.cancelled = True
+            self._scheduler._wake()
+
+    @property
+    def output_text(self) -> str:
+        return self.text.text
+
+    @property
+    def queue_s(self) -> float:
+        return (self.t_admit or self.t_arrival) - self.t_arrival
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.t_first - self.t_arrival) if self.t_first is not None else float("nan")
+
+    @property
+    def decode_s(self) -> float:
+        if self.t_first is None or self.t_end is None:
+            return float("nan")
+        return self.t_end - self.t_first
+
+    @property
+    def total_s(self) -> float:
+        return (self.t_end or time.perf_counter()) - self.t_arrival
+
+    @property
+    def tokens_per_s(self) -> float:
+        t = self.total_s
+        return len(self.token_ids) / t if t > 0 else float("nan")
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _push(self, ev: Event) -> None:
+        if self._q is not None:
+            self._q.put_nowait(ev)
+            return
+        assert self._loop is not None and self._aq is not None
+        try:
+            self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+class Scheduler:
+    """Slots, the waiting queue and the decode loop (:meth:`run` is the engine thread).
+
+    Args:
+      engine: a loaded :class:`~jaxlab.infer.engine.Engine`.
+      slots: decode slots (rows of the batched KV cache).
+      max_queue: waiting requests beyond which :meth:`submit` raises :class:`QueueFull`.
+      request_timeout_s: arrival to last token; past it the request fails with 504.
+      chunk_tokens: decode steps per ``generate_chunk`` call (default
+        ``inference.stream_chunk_tokens``).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        slots: int,
+        max_queue: int,
+        request_timeout_s: float,
+        chunk_tokens: int | None = None,
+        metrics: ServeMetrics | None = None,
+    ) -> None:
+        if engine.tokenizer is None:
+            raise ValueError("serving needs an engine with a tokenizer")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.slots = slots
+        self.max_queue = max_queue
+        self.request_timeout_s = request_timeout_s
+        self.chunk_tokens = chunk_tokens or engine.cfg.inference.stream_chunk_tokens
+        self.metrics = metrics or ServeMetrics()
+        self.metrics.slots.set(slots)
+        #: Seconds to wait between decode chunks (0 = none): simulates a slower device,
+        #: e.g. to test draining and timeouts deterministically.
+        self.chunk_delay_s = 0.0
+        self.chunks = 0
+        self._cv = threading.Condition()
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: list[RequestHandle | None] = [None] * slots
+        self._ids = itertools.count(1)
+        self._accepting = True
+        self._admission_paused = False
+        self._stop = False
+        self._abort: ServeError | None = None
+        self._state: Any = None
+        self._empty: Any = None
+        self._next_chunk_at = 0.0
+        self.compiles_after_warmup: dict[str, int] | None = None
+        self.warmup_s: float | None = None
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def num_running(self) -> int:
+        return sum(h is not None for h in self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        return self.num_running == 0 and self.num_waiting == 0
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self) -> dict[str, int]:
+        """Compile every prefill bucket, ``insert`` and ``decode``; return the counts."""
+        t0 = time.perf_counter()
+        eng = self.engine
+        # Warm-up compiles every bucket on purpose: keep the "recompiled" warnings for
+        # compiles that happen while serving.
+        quiet = _DropRecompileWarnings()
+        logging.getLogger("jaxlab.compile").addFilter(quiet)
+        try:
+            self._warmup_calls()
+        finally:
+            logging.getLogger("jaxlab.compile").removeFilter(quiet)
+        self.warmup_s = time.perf_counter() - t0
+        self.compiles_after_warmup = dict(eng.compiles)
+        return self.compiles_after_warmup
+
+    def _warmup_calls(self) -> None:
+        import jax
+
+        from jaxlab.infer.sampling import SamplingParams
+
+        eng = self.engine
+        self._state = eng.init_decode_state(self.slots)
+        self._empty = eng.init_decode_state(1)
+        tok = self.tokenizer.eot_id
+        for b in eng.buckets:
+            n = min(b, eng.max_len - 1)
+            jax.block_until_ready(eng.prefill([tok] * n, SamplingParams(max_new_tokens=1)))
+        # One real pass through insert -> decode -> free, on slot 0.
+        budget = 2 if eng.max_len >= 3 else 1
+        prefix = eng.prefill([tok], SamplingParams(max_new_tokens=budget, ignore_eos=True))
+        self._state = eng.insert(prefix, self._state, 0)
+        self._state, out, _ = eng.generate_chunk(self._state, self.chunk_tokens)
+        self._state = eng.insert(self._empty, self._state, 0)
+        jax.block_until_ready((out, self._state))
+
+    # ------------------------------------------------------------------ caller API
+
+    def submit(
+        self,
+        request: GenRequest,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        stream: bool = False,
+    ) -> RequestHandle:
+        """Queue ``request``; raises ``BadRequest``/``RequestTooLong``, :class:`QueueFull`
+        or :class:`NotAccepting`. Thread-safe."""
+        self.engine.check_request(request.prompt_ids, request.sampling)
+        sp = request.sampling
+        stops = frozenset(sp.stop_token_ids) | (
+            frozenset() if sp.ignore_eos or self.engine.eos_id is None else {self.engine.eos_id}
+        )
+        with self._cv:
+            if not self._accepting or self._stop:
+                raise NotAccepting("draining")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(len(self._waiting))
+            h = RequestHandle(
+                next(self._ids),
+                request,
+                loop=loop,
+                stream=stream,
+                deadline=time.perf_counter() + self.request_timeout_s,
+                stops=stops,
+                assembler=TextAssembler(self.tokenizer, request.stop),
+                scheduler=self,
+            )
+            self._waiting.append(h)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cv.notify_all()
+        return h
+
+    def close_admission(self) -> None:
+        """Refuse new requests from now on (draining); queued and running ones finish."""
+        with self._cv:
+            self._accepting = False
+            self._cv.notify_all()
+
+    def pause_admission(self) -> None:
+        """Hold queued requests in the queue (running ones continue). For tests/ops."""
+        with self._cv:
+            self._admission_paused = True
+
+    def resume_admission(self) -> None:
+        with self._cv:
+            self._admission_paused = False
+            self._cv.notify_all()
+
+    def stop(self, abort: ServeError | None = None) -> None:
+        """End :meth:`run`; every request still queued or running fails with ``abort``."""
+        with self._cv:
+            self._stop = True
+            self._accepting = False
+            self._abort = abort or ServeError(
+                503, "the server is shutting down", code="shutting_down"
+            )
+            self._cv.notify_all()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        """The scheduler loop; returns after :meth:`stop`. Call :meth:`warmup` first."""
+        if self._state is None:
+            self.warmup()
+        while True:
+            with self._cv:
+                if self._stop:
+                    break
+                dropped = self._reap_waiting()
+                admit: list[RequestHandle] = []
+                if not self._admission_paused:
+                    free = self._running.count(None)
+                    while free > len(admit) and self._waiting:
+                        admit.append(self._waiting.popleft())
+            for h, err in dropped:
+                self._finish(h, error=err)
+            self._reap_running()
+            for h in admit:
+                self._admit(h)
+            if self.num_running and time.perf_counter() >= self._next_chunk_at:
+                self._decode_chunk()
+            elif not admit and not dropped:
+                self._update_gauges()
+                with self._cv:
+                    can_admit = (
+                        self._waiting and not self._admission_paused and None in self._running
+                    )
+                    if not self._stop and not can_admit:
+                        wait = 0.05
+                        if self.num_running:
+                            wait = min(max(self._next_chunk_at - time.perf_counter(), 0.0), wait)
+                        self._cv.wait(timeout=wait)
+            self._update_gauges()
+        self._shutdown()
+
+    def _reap_waiting(self) -> list[tuple[RequestHandle, ServeError | None]]:
+        """Take cancelled and timed-out requests out of the queue (caller holds the lock)."""
+        now = time.perf_counter()
+        keep: deque[RequestHandle] = deque()
+        dropped: list[tuple[RequestHandle, ServeError | None]] = []
+        for h in self._waiting:
+            if h.cancelled:
+                dropped.append((h, None))
+            elif now >= h.deadline:
+                dropped.append((h, _timeout_error(self.request_timeout_s)))
+            else:
+                keep.append(h)
+        self._waiting = keep
+        return dropped
+
+    def _reap_running(self) -> None:
+        """Free the slots of cancelled and timed-out running requests."""
+        now = time.perf_counter()
+        for h in list(self._running):
+            if h is None:
+                continue
+            if h.cancelled:
+                self._release(h)
+                self._finish(h, error=None)
+            elif now >= h.deadline:
+                self._release(h)
+                self._finish(h, error=_timeout_error(self.request_timeout_s))
+
+    def _release(self, h: RequestHandle) -> None:
+        """Free ``h``'s slot: on the device (insert an empty row) and on the host."""
+        slot = h.slot
+        if slot is None:
+            return
+        self._running[slot] = None
+        h.slot = None
+        try:
+            self._state = self.engine.insert(self._empty, self._state, slot)
+        except Exception:  # the state is unusable: start from a fresh one
+            log.exception("freeing slot %d failed; resetting the decode state", slot)
+            self._reset_state()
+
+    def _admit(self, h: RequestHandle) -> None:
+        import jax
+
+        h.t_admit = time.perf_counter()
+        self.metrics.queue_time.observe(h.t_admit - h.t_arrival)
+        req = h.request
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        try:
+            prefix = self.engine.prefill(req.prompt_ids, req.sampling)
+            first, done = jax.device_get((prefix.tokens, prefix.done))
+        except Exception as e:
+            log.exception("prefill failed for request %d", h.id)
+            self._finish(h, error=ServeError(500, f"prefill failed: {e}", code="internal_error"))
+            return
+        h.prefill_s = time.perf_counter() - h.t_admit
+        finished_now = bool(done[0])
+        if not finished_now:
+            slot = self._running.index(None)
+            try:
+                self._state = self.engine.insert(prefix, self._state, slot)
+            except Exception as e:
+                log.exception("insert failed for request %d", h.id)
+                self._reset_state()
+                self._finish(h, error=ServeError(500, f"insert failed: {e}", code="internal_error"))
+                return
+            self._running[slot] = h
+            h.slot = slot
+        self._route(h, [int(first[0])], finished_now)
+
+    def _decode_chunk(self) -> None:
+        import jax
+
+        try:
+            self._state, toks, done = self.engine.generate_chunk(self._state, self.chunk_tokens)
+            toks, done = jax.device_get((toks, done))
+        except Exception as e:
+            log.exception("decode failed; failing the running requests")
+            err = ServeError(500, f"decode failed: {e}", code="internal_error")
+            for h in list(self._running):
+                if h is not None:
+                    self._finish(h, error=err)
+            self._running = [None] * self.slots
+            self._reset_state()
+            return
+        self.chunks += 1
+        self._next_chunk_at = time.perf_counter() + self.chunk_delay_s
+        for slot, h in enumerate(self._running):
+            if h is None:
+                continue
+            new = [int(t) for t in toks[:, slot] if t >= 0]
+            self._route(h, new, bool(done[slot]))
+
+    def _route(self, h: RequestHandle, tokens: Sequence[int], device_done: bool) -> None:
+        """Hand ``tokens`` (this round's, for ``h``) to the request; finish it if done."""
+        if h.cancelled:
+            return  # reaped on the next iteration
+        now = time.perf_counter()
+        if h.t_first is None:
+            h.t_first = now
+            self.metrics.ttft.observe(now - h.t_arrival)
+        by_token = False
+        fresh = list(tokens)
+        if device_done and fresh and fresh[-1] in h.stop_ids:
+            fresh.pop()
+            by_token = True
+        kept: list[int] = []
+        delta = ""
+        for t in fresh:
+            kept.append(t)
+            delta += h.text.feed(t)
+            if h.text.stopped:
+                break
+        h.token_ids.extend(kept)
+        self.metrics.generation_tokens.inc(len(kept))
+        reason: str | None = None
+        if h.text.stopped:
+            reason = "stop"
+        elif device_done:
+            reason = "stop" if by_token else "length"
+        if reason is not None:
+            delta += h.text.finish()
+        if h.stream and (delta or kept):
+            h._push(Event("tokens", text=delta, token_ids=kept))
+        if reason is not None:
+            if h.slot is not None:
+                if device_done:  # the device row is already done: only the host frees it
+                    self._running[h.slot] = None
+                    h.slot = None
+                else:
+                    self._release(h)
+            self._finish(h, reason=reason)
+
+    def _finish(
+        self, h: RequestHandle, *, reason: str | None = None, error: ServeError | None = None
+    ) -> None:
+        if h.finished:
+            return
+        h.finished = True
+        h.t_end = time.perf_counter()
+        if reason is not None:
+            h.finish_reason = reason
+            self.metrics.e2e.observe(h.t_end - h.t_arrival)
+            n = len(h.token_ids)
+            if n > 1 and h.t_first is not None:
+                self.metrics.tpot.observe((h.t_end - h.t_first) / (n - 1))
+            h._push(Event("done", finish_reason=reason))
+        elif error is not None:
+            h.error = error
+            h._push(Event("error", error=error))
+        else:  # cancelled by the caller: it is not listening, but unblock it anyway
+            h._push(Event("error", error=ServeError(499, "cancelled", code="cancelled")))
+
+    def _reset_state(self) -> None:
+        self._state = self.engine.init_decode_state(self.slots)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(self.num_running)
+        m.waiting.set(len(self._waiting))
+        held = sum(
+            len(h.request.prompt_ids) + len(h.token_ids) for h in self._running if h is not None
+        )
+        m.kv_usage.set(held / (self.slots * self.engine.max_len))
+
+    def _shutdown(self) -> None:
+        err = self._abort or ServeError(503, "the server is shutting down", code="shutting_down")
+        with self._cv:
+            pending = [*self._waiting, *(h for h in self._running if h is not None)]
+            self._waiting.clear()
+        self._running = [None] * self.slots
+        for h in pending:
+            self._finish(h, error=err)
+        self._update_gauges()
+
+
+__all__ = [
+    "Event",
+    "GenRequest",
+    "NotAccepting",
+    "QueueFull",
+    "RequestHandle",
+    "Scheduler",
+    "ServeError",
+]

@@ -1,0 +1,233 @@
+"""Running the app under uvicorn: signal-driven draining, the blocking and threaded forms.
+
+SIGTERM (and SIGINT) do not stop uvicorn at once. The first one starts a drain: the model
+goes ``ready -> draining`` (``/ready`` 503, new requests 503 + Retry-After) while the
+listening socket stays open, in-flight requests (queued and running) finish within
+``serve.drain_timeout_s``, and only then uvicorn shuts down (connections closed, lifespan
+shutdown stops the engine thread, ``draining -> stopped``). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from jaxlab.serve.app import create_app
+from jaxlab.serve.lifecycle import ModelState
+from jaxlab.serve.service import ModelService
+
+log = logging.getLogger("jaxlab.serve")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (``port=0``: the OS picks a free one; read it back with
+    ``sock.getsockname()[1]``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_for(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` whose exit signals drain the model service first."""
+
+    def __init__(self, config: uvicorn.Config, service: ModelService) -> None:
+        super().__init__(config)
+        self.service = service
+        self.signal: int | None = None
+        self.drained: bool | None = None
+        self.forced = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's handler: it would stop at once, and re-raise the signal at exit.
+        if self.signal is not None or self._loop is None:
+            # A second signal (or one before the loop runs): exit now.
+            self.signal = self.signal or sig
+            self.forced = self._drain_task is not None
+            self.force_exit = self.forced
+            self.should_exit = True
+            return
+        self.signal = sig
+        self._loop.call_soon_threadsafe(self.start_drain)
+
+    def start_drain(self) -> None:
+        """Begin draining (on the server's loop); uvicorn exits when it is done."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        try:
+            self.drained = await self.service.drain()
+        finally:
+            self.should_exit = True
+
+    def request_drain(self) -> None:
+        """Thread-safe: start draining (the programmatic SIGTERM)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.start_drain)
+        else:
+            self.should_exit = True
+
+
+def _uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=30,
+    )
+
+
+@dataclass
+class ServeResult:
+    """How a blocking :func:`run_server` ended."""
+
+    signal: int | None
+    drained: bool | None
+    forced: bool
+    state: ModelState
+    error: str | None
+
+
+def run_server(
+    service: ModelService,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    on_listening: Callable[[str, int], None] | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> ServeResult:
+    """Serve ``service`` in this (main) thread until SIGTERM/SIGINT or a failed load.
+
+    ``on_listening(url, port)`` runs once the socket is bound (the model still loading),
+    ``on_ready(url)`` when the model is ready.
+    """
+    host = service.serve_cfg.host if host is None else host
+    port = service.serve_cfg.port if port is None else port
+    sock = bind_socket(host, port)
+    bound = sock.getsockname()[1]
+    url = url_for(host, bound)
+    server = DrainingServer(_uvicorn_config(create_app(service), host, bound), service)
+
+    def on_change(old: ModelState, new: ModelState) -> None:
+        if new == ModelState.READY and on_ready is not None:
+            on_ready(url)
+        if new == ModelState.FAILED:
+            server.should_exit = True
+
+    service.lifecycle.add_listener(on_change)
+    if on_listening is not None:
+        on_listening(url, bound)
+    with contextlib.closing(sock):
+        server.run(sockets=[sock])
+    return ServeResult(
+        server.signal, server.drained, server.forced, service.state, service.lifecycle.error
+    )
+
+
+class ServerThread:
+    """A real uvicorn server on a background thread (tests, benchmarks, notebooks).
+
+    ::
+
+        with ServerThread(service) as srv:       # binds 127.0.0.1, an ephemeral port
+            srv.wait_ready()
+            httpx.get(srv.url + "/ready")
+    """
+
+    def __init__(self, service: ModelService, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.service = service
+        self.host = host
+        self._sock = bind_socket(host, port)
+        self.port: int = self._sock.getsockname()[1]
+        self.url = url_for(host, self.port)
+        self.server = DrainingServer(_uvicorn_config(create_app(service), host, self.port), service)
+        self._thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [self._sock]},
+            daemon=True,
+            name=f"jaxlab-serve-{self.port}",
+        )
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self._thread.start()
+        for _ in range(int(timeout_s / 0.01)):
+            if self.server.started or not self._thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the server on {self.url} did not start")
+        return self
+
+    def wait_ready(self, timeout_s: float | None = 300.0) -> None:
+        state = self.service.wait_ready(timeout_s)
+        if state != ModelState.READY:
+            raise RuntimeError(
+                f"model not ready (state {state}): {self.service.lifecycle.error or 'timeout'}"
+            )
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Drain (as SIGTERM does) and wait for the server to exit."""
+        self.server.request_drain()
+        self._thread.join(timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Exit now (requests in flight fail); wait for the thread."""
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()
+
+    def wait_exit(self, timeout_s: float | None = None) -> bool:
+        """Wait for the server thread to end; True if it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = [
+    "DrainingServer",
+    "ServeResult",
+    "ServerThread",
+    "bind_socket",
+    "run_server",
+    "url_for",
+]

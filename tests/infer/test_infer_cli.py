@@ -1,0 +1,91 @@
+"""``jaxlab generate`` through the real CLI, on a tiny run trained once for this module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``jaxlab train`` on ``tiny`` for 20 steps, run in-process (same code as the CLI's,
+    without a second interpreter start-up)."""
+    from jaxlab.config import resolve_config
+    from jaxlab.train.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("generate")
+    path = tmp / "run"
+    sets = [
+        f"runtime.artifacts_dir={tmp / 'art'}",
+        "tokenizer.kind=byte",
+        "model.vocab_size=258",
+        "data.synthetic_docs=200",
+        "data.seq_len=32",
+        "train.steps=20",
+        "checkpoint.every_steps=20",
+        "train.eval_batches=1",
+    ]
+    trainer = Trainer(resolve_config("tiny", sets).config, path)
+    try:
+        assert trainer.run(20).steps == 20
+    finally:
+        trainer.close()
+    return path
+
+
+def generate(run_dir: Path, *args: str):
+    return run_cli("generate", "--run-dir", str(run_dir), *args)
+
+
+def test_generate_json_stream_and_no_kv_cache_agree(run_dir):
+    """``--stream --json``: the text streams to stderr as it is decoded, the JSON document
+    (stdout) holds the non-streamed result; ``--no-kv-cache`` gives the same tokens."""
+    r = generate(run_dir, "--prompt", PROMPT, "--max-new-tokens", "24", "--stream", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = r.json()
+    for key in (
+        "text",
+        "token_ids",
+        "prompt_tokens",
+        "generated_tokens",
+        "ttft_s",
+        "prefill_s",
+        "decode_s",
+        "tokens_per_s",
+        "compiles",
+        "bucket",
+        "checkpoint_step",
+        "platform",
+        "precision",
+    ):
+        assert key in doc, key
+    assert r.stderr.startswith(doc["text"] + "\n")  # streamed == non-streamed text
+    assert doc["prompt_tokens"] == len(PROMPT.encode())  # byte tokenizer
+    assert doc["generated_tokens"] == len(doc["token_ids"]) <= 24
+    assert doc["compiles"]["prefill"] == 1 and doc["compiles"]["decode"] == 1
+    assert doc["bucket"] == 32 and doc["checkpoint_step"] == 20
+    assert doc["platform"] == "cpu" and doc["precision"] == "float32"
+    assert doc["ttft_s"] > 0 and doc["tokens_per_s"] > 0
+
+    naive = generate(run_dir, "--prompt", PROMPT, "--max-new-tokens", "24", "--no-kv-cache")
+    assert naive.returncode == 0, naive.stderr
+    assert naive.stdout == doc["text"] + "\n"
+
+
+def test_generate_bad_input_exits_2(run_dir, tmp_path):
+    r = generate(run_dir)
+    assert r.returncode == 2 and "no prompt" in r.stderr
+    f = tmp_path / "p.txt"
+    f.write_text("hi")
+    r = generate(run_dir, "--prompt", "x", "--prompt-file", str(f))
+    assert r.returncode == 2 and "not both" in r.stderr
+    r = generate(tmp_path, "--prompt", "x")
+    assert r.returncode == 2 and "not a run directory" in r.stderr
+    r = generate(run_dir, "--prompt-file", str(f), "--max-new-tokens", "127")
+    assert r.returncode == 2
+    assert "inference.max_len = 128" in r.stderr and "129" in r.stderr
+    assert "Traceback" not in r.stderr

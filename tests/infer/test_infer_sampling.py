@@ -1,0 +1,139 @@
+"""Sampling primitives: the top-k/top-p mask against a numpy reference, keys, greedy."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from jaxlab.infer import SamplingParams, sample, sampling_arrays, top_k_top_p_mask
+from jaxlab.infer.sampling import argmax, row_keys
+
+B, V = 4, 64
+SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
+
+
+def reference_mask(logits: np.ndarray, k: int, p: float) -> tuple[np.ndarray, float]:
+    """Sort-based numpy reference (float64). Also returns how close the top-p cumulative
+    mass came to ``p`` at a decision boundary, so borderline rows can be skipped."""
+    order = np.argsort(-logits, kind="stable")
+    keep = np.zeros(logits.shape, bool)
+    n_k = len(logits) if k <= 0 else min(k, len(logits))
+    top = order[:n_k]
+    z = logits[top].astype(np.float64)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    kept = top[before < p] if p < 1.0 else top
+    keep[kept] = True
+    margin = float(np.min(np.abs(before - p))) if p < 1.0 else 1.0
+    return keep, margin
+
+
+@functools.cache
+def jitted_mask():
+    return jax.jit(top_k_top_p_mask)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([0.3, 1.0, 3.0, 10.0]),
+    ks=st.lists(st.sampled_from([0, 1, 2, 5, 17, 64, 100]), min_size=B, max_size=B),
+    ps=st.lists(st.sampled_from([1.0, 0.95, 0.5, 0.2, 0.01]), min_size=B, max_size=B),
+)
+def test_top_k_top_p_mask_matches_numpy_reference(seed, scale, ks, ps):
+    logits = (np.random.default_rng(seed).normal(size=(B, V)) * scale).astype(np.float32)
+    assume(all(len(set(row.tolist())) == V for row in logits))  # no ties
+    got = np.asarray(
+        jitted_mask()(jnp.asarray(logits), jnp.asarray(ks, jnp.int32), jnp.asarray(ps, jnp.float32))
+    )
+    for b in range(B):
+        want, margin = reference_mask(logits[b], ks[b], ps[b])
+        assume(margin > 1e-4)  # float32 vs float64 summation at an exact tie with p
+        np.testing.assert_array_equal(got[b], want, err_msg=f"row {b}: k={ks[b]} p={ps[b]}")
+        if ks[b] > 0:
+            assert got[b].sum() == min(ks[b], V) or ps[b] < 1.0
+        assert got[b][np.argmax(logits[b])]  # the most likely token always survives
+
+
+def test_mask_keeps_ties_and_handles_extremes():
+    logits = jnp.asarray(
+        [[1.0, 3.0, 3.0, -jnp.inf], [-1.0, -2.0, -3.0, -4.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32
+    )
+    got = np.asarray(jitted_mask()(logits, jnp.asarray([2, 1, 3]), jnp.asarray([1.0, 1.0, 0.5])))
+    np.testing.assert_array_equal(got[0], [False, True, True, False])
+    np.testing.assert_array_equal(got[1], [True, False, False, False])
+    assert got[2].all()  # all tied: ties at the threshold are kept
+
+
+def test_argmax_is_first_index_of_the_maximum():
+    x = jnp.asarray([[0.0, 2.0, 2.0, 1.0], [-jnp.inf, -1.0, -1.0, -5.0]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), [1, 1])
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 - 1])
+def test_row_keys_are_fold_in_of_prng_key(seed):
+    t = jnp.asarray([0, 5], jnp.int32)
+    got = jax.jit(row_keys)(jnp.asarray([seed, seed], jnp.int32), t)
+    for i in range(2):
+        want = jax.random.fold_in(jax.random.PRNGKey(seed), int(t[i]))
+        np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
+
+
+@functools.cache
+def jitted_sample():
+    return jax.jit(sample)
+
+
+def draw(logits: np.ndarray, params: list[SamplingParams], t: list[int]) -> np.ndarray:
+    sp = sampling_arrays(params, None)
+    return np.asarray(jitted_sample()(jnp.asarray(logits), sp, jnp.asarray(t, jnp.int32)))
+
+
+def test_sample_is_per_row_and_reproducible():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(B, V)).astype(np.float32)
+    mixed = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.7, top_k=5, seed=4),
+        SamplingParams(temperature=1.3, top_p=0.5, seed=5),
+    ]
+    a = draw(logits, mixed, [0, 1, 2, 3])
+    assert a[0] == np.argmax(logits[0])
+    np.testing.assert_array_equal(a, draw(logits, mixed, [0, 1, 2, 3]))  # same seeds
+    # Row 1 alone (other rows greedy) draws the same: keys depend on (seed, t) only.
+    solo = [SamplingParams(temperature=0.0)] * B
+    solo[1] = mixed[1]
+    assert draw(logits, solo, [9, 1, 9, 9])[1] == a[1]
+    # top-k 5 only ever picks from the 5 largest.
+    top5 = set(np.argsort(-logits[2])[:5].tolist())
+    picks = {int(draw(logits, mixed, [0, 1, t, 3])[2]) for t in range(30)}
+    assert picks <= top5 and len(picks) > 1
+
+    # Different seeds give different streams.
+    def stream(seed: int) -> list[int]:
+        sp = [SamplingParams(temperature=1.0, seed=seed)] * B
+        return [int(draw(logits, sp, [t] * B)[0]) for t in range(12)]
+
+    assert stream(3) == stream(3)
+    assert stream(3) != stream(99)
+
+
+def test_sampled_token_is_categorical_with_key_fold_in_seed_t():
+    """Row b's t-th token: ``categorical(fold_in(PRNGKey(seed), t), logits / T)``."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(B, V)).astype(np.float32) * 3
+    params = [SamplingParams(temperature=0.5 + b, seed=11 * b + 1) for b in range(B)]
+    ts = [0, 3, 7, 100]
+    got = draw(logits, params, ts)
+    for b in range(B):
+        key = jax.random.fold_in(jax.random.PRNGKey(params[b].seed), ts[b])
+        want = jax.random.categorical(key, jnp.asarray(logits[b]) / params[b].temperature)
+        assert got[b] == int(want)

@@ -1,0 +1,664 @@
+"""The server end to end: real uvicorn on 127.0.0.1 (ephemeral ports), a real trained engine.
+
+One engine is loaded per module; every server here shares it (same slots and chunk
+length, so they share its compiled executables too). Servers that need other limits
+(queue, timeout, body size, API key) are started on it with those settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxlab.config import JaxlabConfig
+from jaxlab.serve import ModelService, ModelState, Scheduler, ServerThread, serve_config
+
+RUN_STEPS = 30
+OVERRIDES = [
+    "inference.prefill_buckets=[32,128]",
+    "inference.stream_chunk_tokens=8",
+    "serve.slots=4",
+    "serve.max_tokens_limit=100",
+]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def train_tiny(path: Path) -> None:
+    from jaxlab.config import load_config
+    from jaxlab.train.trainer import Trainer
+
+    cfg = load_config(
+        "tiny",
+        [
+            f"train.steps={RUN_STEPS}",
+            f"checkpoint.every_steps={RUN_STEPS}",
+            "tokenizer.kind=byte",
+            "model.vocab_size=258",
+            f"runtime.artifacts_dir={path.parent / 'artifacts'}",
+        ],
+        environ={},
+    )
+    trainer = Trainer(cfg, path)
+    trainer.run()
+    trainer.close()
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.getbasetemp() / "serve-run"
+    if not (path / "checkpoints" / str(RUN_STEPS)).is_dir():
+        train_tiny(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cfg(run_dir: Path) -> JaxlabConfig:
+    return serve_config(run_dir, OVERRIDES, environ={})
+
+
+@pytest.fixture(scope="module")
+def engine(run_dir: Path, cfg: JaxlabConfig) -> Any:
+    from jaxlab.infer.engine import Engine
+
+    return Engine.from_run_dir(run_dir, cfg=cfg)
+
+
+@contextlib.contextmanager
+def serving(
+    engine: Any,
+    cfg: JaxlabConfig,
+    *,
+    loader: Callable[[], Any] | None = None,
+    chunk_delay_s: float = 0.0,
+    **serve: Any,
+) -> Iterator[ServerThread]:
+    """A server on ``engine`` with ``serve.*`` fields replaced."""
+    c = cfg.model_copy(deep=True)
+    for key, value in serve.items():
+        setattr(c.serve, key, value)
+    svc = ModelService(c, loader or (lambda: engine))
+    svc.chunk_delay_s = chunk_delay_s
+    srv = ServerThread(svc).start()
+    try:
+        if loader is None:
+            srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(engine: Any, cfg: JaxlabConfig) -> Iterator[ServerThread]:
+    with serving(engine, cfg) as srv:
+        yield srv
+
+
+def sched(srv: ServerThread) -> Scheduler:
+    assert srv.service.scheduler is not None
+    return srv.service.scheduler
+
+
+def metrics(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(url + "/metrics").text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def metric(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    t_end = time.perf_counter() + timeout_s
+    while not pred():
+        if time.perf_counter() > t_end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def parse_sse(raw: str) -> list[dict]:
+    """Strict SSE framing: ``data: `` lines, blank-line separated, ``[DONE]`` last."""
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    blocks = raw.split("\n\n")
+    assert blocks[-1] == ""
+    payloads = []
+    for block in blocks[:-1]:
+        lines = block.split("\n")
+        assert len(lines) == 1 and lines[0].startswith("data: "), block
+        payloads.append(lines[0].removeprefix("data: "))
+    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def stream_text(chunks: list[dict]) -> tuple[str, str | None]:
+    for c in chunks[:-1]:
+        assert c["choices"][0]["finish_reason"] is None
+    return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0][
+        "finish_reason"
+    ]
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def mixed_requests(n: int = 32) -> list[dict[str, Any]]:
+    rng = random.Random(1234)
+    words = ["the", "cat", "sat", "on", "a", "mat;", "count", "one", "two", "jax", "xla"]
+    reqs = []
+    for i in range(n):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.choice([1, 2, 4, 9, 16])))
+        room = 127 - len(prompt.encode())
+        reqs.append(
+            {
+                "prompt": prompt,
+                "max_tokens": min(rng.choice([1, 3, 8, 17, 40, 64]), room, 100),
+                "temperature": [0.0, 0.7, 1.0, 1.4][i % 4],
+                "top_k": [0, 0, 20, 0][i % 4],
+                "top_p": [1.0, 1.0, 1.0, 0.9][i % 4],
+                "seed": 1000 + i,
+            }
+        )
+    assert len({len(r["prompt"].encode()) > 32 for r in reqs}) == 2, "both buckets"
+    return reqs
+
+
+@pytest.mark.slow
+def test_32_concurrent_requests_equal_offline_generate(server, engine, run_dir, cfg):
+    from jaxlab.infer.engine import Engine, Request
+    from jaxlab.infer.sampling import SamplingParams
+
+    reqs = mixed_requests()
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/generate", json=r) for r in reqs))
+
+    chunks_before = sched(server).chunks
+    responses = asyncio.run(send_all())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    answers = [r.json() for r in responses]
+
+    # The reference: a separate engine, all 32 prompts as one offline batch.
+    offline = Engine.from_run_dir(run_dir, cfg=cfg).generate(
+        [
+            Request(
+                r["prompt"],
+                SamplingParams(
+                    max_new_tokens=r["max_tokens"],
+                    temperature=r["temperature"],
+                    top_k=r["top_k"],
+                    top_p=r["top_p"],
+                    seed=r["seed"],
+                ),
+            )
+            for r in reqs
+        ]
+    )
+    for req, got, want in zip(reqs, answers, offline, strict=True):
+        assert got["token_ids"] == want.token_ids, req
+        assert got["text"] == want.text
+        assert got["finish_reason"] == want.finish_reason
+        assert got["generated_tokens"] == len(want.token_ids)
+        assert got["prompt_tokens"] == len(req["prompt"].encode())
+        assert got["seed"] == req["seed"]
+        assert got["model"] == "jaxlab" and got["checkpoint_step"] == RUN_STEPS
+        assert got["platform"] == "cpu" and got["precision"] == "float32"
+        for key in ("prefill_s", "decode_s", "total_s", "ttft_s", "queue_s"):
+            assert got[key] >= 0
+        assert got["ttft_s"] <= got["total_s"]
+    # They shared the batch: 32 requests of up to 64 tokens in far fewer chunks than alone.
+    chunks = sched(server).chunks - chunks_before
+    alone = sum(-(-max(r["max_tokens"] - 1, 0) // 8) for r in reqs)
+    assert chunks < alone
+    assert sched(server).idle
+
+
+def test_output_does_not_depend_on_the_rest_of_the_batch(server):
+    req = {"prompt": "the cat", "max_tokens": 30, "temperature": 1.0, "seed": 7}
+    alone = httpx.post(server.url + "/v1/generate", json=req).json()["token_ids"]
+
+    async def crowded() -> list[dict]:
+        others = [
+            {
+                "prompt": "count one two " * (i % 3 + 1),
+                "max_tokens": 40,
+                "temperature": 0.9,
+                "seed": i,
+            }
+            for i in range(7)
+        ]
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            rs = await asyncio.gather(
+                *(client.post("/v1/generate", json=r) for r in [*others[:3], req, *others[3:]])
+            )
+        return [r.json() for r in rs]
+
+    assert asyncio.run(crowded())[3]["token_ids"] == alone
+
+
+def test_streaming_equals_non_streaming_with_valid_sse(server):
+    prompts = [
+        ("the cat sat", {"temperature": 0.0, "max_tokens": 40}),
+        ("count: one two", {"temperature": 0.9, "seed": 3, "max_tokens": 50}),
+        ("héllo wörld ✓", {"temperature": 1.2, "seed": 11, "max_tokens": 64, "top_k": 30}),
+        ("x", {"temperature": 0.0, "max_tokens": 1}),
+    ]
+    for prompt, params in prompts:
+        body = {"model": "jaxlab", "prompt": prompt, **params}
+        plain = httpx.post(server.url + "/v1/completions", json=body).json()
+        assert plain["object"] == "text_completion" and plain["model"] == "jaxlab"
+        choice = plain["choices"][0]
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = r.read().decode()
+        chunks = parse_sse(raw)
+        usage = chunks.pop()
+        assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+        text, finish = stream_text(chunks)
+        assert text == choice["text"]
+        assert finish == choice["finish_reason"]
+        assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+        native = httpx.post(server.url + "/v1/generate", json={"prompt": prompt, **params}).json()
+        assert native["text"] == text
+        assert plain["usage"]["completion_tokens"] == native["generated_tokens"]
+        assert plain["usage"]["prompt_tokens"] == native["prompt_tokens"]
+
+
+def test_stop_strings_truncate_text_streaming_and_not(server):
+    base = {"prompt": "the cat sat on", "max_tokens": 60, "temperature": 0.0}
+    full = httpx.post(server.url + "/v1/generate", json=base).json()["text"]
+    assert len(full) > 20
+    stop = full[10:13]
+    cut = full[: full.index(stop)]
+    for body in ({**base, "stop": stop}, {**base, "stop": ["\x00never", stop]}):
+        native = httpx.post(server.url + "/v1/generate", json=body).json()
+        assert native["text"] == cut and native["finish_reason"] == "stop"
+        plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+        assert plain["text"] == cut and plain["finish_reason"] == "stop"
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json={**body, "stream": True}
+        ) as r:
+            text, finish = stream_text(parse_sse(r.read().decode()))
+        assert (text, finish) == (cut, "stop")
+    assert sched(server).idle
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_parse_and_count_requests_by_status(server):
+    before = metrics(server.url)
+    url = server.url
+    ok = [
+        httpx.post(url + "/v1/generate", json={"prompt": "abc", "max_tokens": 5, "seed": 1}),
+        httpx.post(url + "/v1/generate", json={"prompt": "hello there", "max_tokens": 9}),
+        httpx.post(url + "/v1/completions", json={"prompt": "zz", "max_tokens": 4}),
+    ]
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={"prompt": "qq", "max_tokens": 6, "stream": True}
+    ) as r:
+        r.read()
+    bad = [
+        httpx.post(url + "/v1/generate", content=b"{oops"),
+        httpx.post(url + "/v1/generate", json={"prompt": "x", "nope": 1}),
+        httpx.post(url + "/v1/generate", json={"prompt": "x" * 300}),
+    ]
+    assert [r.status_code for r in ok] == [200, 200, 200]
+    assert [r.status_code for r in bad] == [400, 422, 400]
+    after = metrics(url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("jaxlab_requests_total", status="200") == 4
+    assert delta("jaxlab_requests_total", status="400") == 2
+    assert delta("jaxlab_requests_total", status="422") == 1
+    assert (
+        sum(
+            v - metric(before, k[0], **dict(k[1]))
+            for k, v in after.items()
+            if k[0] == "jaxlab_requests_total"
+        )
+        == 7
+    )
+    for hist in (
+        "jaxlab_e2e_request_latency_seconds",
+        "jaxlab_time_to_first_token_seconds",
+        "jaxlab_request_queue_time_seconds",
+    ):
+        assert delta(hist + "_count") == 4, hist
+    assert delta("jaxlab_time_per_output_token_seconds_count") >= 3  # the 1-token ones do not count
+    generated = [r.json()["generated_tokens"] for r in ok[:2]]
+    generated.append(ok[2].json()["usage"]["completion_tokens"])
+    assert delta("jaxlab_generation_tokens_total") >= sum(generated)
+    assert delta("jaxlab_prompt_tokens_total") == 3 + 11 + 2 + 2
+    assert metric(after, "jaxlab_num_requests_running") == 0
+    assert metric(after, "jaxlab_num_requests_waiting") == 0
+    assert metric(after, "jaxlab_kv_cache_usage_ratio") == 0
+    assert metric(after, "jaxlab_model_state", state="ready") == 1
+    assert metric(after, "jaxlab_model_state", state="loading") == 0
+    compiles = server.service.engine.compiles
+    for fn, n in compiles.items():
+        assert metric(after, "jaxlab_compilations_total", function=fn) == n
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_error_paths_are_openai_shaped_and_never_500(server):
+    url = server.url
+    post = httpx.post
+    gen, comp = url + "/v1/generate", url + "/v1/completions"
+    assert_error(post(gen, content=b"{not json"), 400, "invalid_json")
+    assert_error(post(gen, json=[1, 2]), 400, "invalid_json")
+    assert assert_error(post(gen, json={"prompt": 5}), 422)["param"] == "prompt"
+    assert assert_error(post(gen, json={}), 422, "missing")["param"] == "prompt"
+    assert_error(post(gen, json={"prompt": "x", "max_tokens": 0}), 422)
+    assert_error(post(gen, json={"prompt": "x", "temperature": "hot"}), 422)
+    assert_error(post(gen, json={"prompt": "x", "top_p": 0}), 422)
+    assert_error(post(gen, json={"prompt": "x", "tempreature": 1}), 422, "unknown_field")
+    assert_error(post(gen, json={"prompt": ""}), 400)
+    err = assert_error(post(gen, json={"prompt": "x" * 200}), 400, "context_length_exceeded")
+    assert "inference.max_len = 128" in err["message"]
+    err = assert_error(post(gen, json={"prompt": "x", "max_tokens": 101}), 400)
+    assert "serve.max_tokens_limit = 100" in err["message"] and err["param"] == "max_tokens"
+    assert_error(post(comp, json={"model": "gpt-4", "prompt": "x"}), 404, "model_not_found")
+    assert_error(post(comp, json={"prompt": "x", "n": 2}), 400, "unsupported")
+    assert_error(post(comp, json={"prompt": ["a", "b"]}), 400, "unsupported")
+    assert_error(post(comp, json={"prompt": "x", "stop": ""}), 400)
+    assert_error(post(comp, json={"prompt": "x", "stream": True, "max_tokens": 500}), 400)
+    assert_error(httpx.get(gen), 405)
+    assert_error(httpx.get(url + "/v1/nothing"), 404)
+    assert_error(httpx.get(url + "/nothing"), 404)
+    m = metrics(url)
+    assert not any(
+        k[0] == "jaxlab_requests_total" and dict(k[1])["status"].startswith("5") and v
+        for k, v in m.items()
+    )
+
+
+def test_a_bug_is_still_a_json_500(engine, cfg, monkeypatch):
+    with serving(engine, cfg) as srv:
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(srv.service, "submit", broken)
+        err = assert_error(
+            httpx.post(srv.url + "/v1/generate", json={"prompt": "x", "max_tokens": 2}),
+            500,
+            "internal_error",
+        )
+        assert "RuntimeError" in err["message"]
+        assert metric(metrics(srv.url), "jaxlab_requests_total", status="500") == 1
+
+
+def test_body_over_max_body_bytes_is_413(engine, cfg):
+    with serving(engine, cfg, max_body_bytes=200) as srv:
+        body = json.dumps({"prompt": "y" * 300}).encode()
+        err = assert_error(httpx.post(srv.url + "/v1/generate", content=body), 413)
+        assert "serve.max_body_bytes = 200" in err["message"]
+
+        def chunked() -> Iterator[bytes]:  # no Content-Length: the bytes read are counted
+            for i in range(0, len(body), 50):
+                yield body[i : i + 50]
+
+        assert_error(httpx.post(srv.url + "/v1/completions", content=chunked()), 413)
+        ok = httpx.post(srv.url + "/v1/generate", json={"prompt": "y" * 50, "max_tokens": 2})
+        assert ok.status_code == 200
+        m = metrics(srv.url)
+        assert metric(m, "jaxlab_requests_total", status="413") == 2
+
+
+def test_api_key_guards_v1_and_the_openai_client_works(engine, cfg):
+    import openai
+    from pydantic import SecretStr
+
+    with serving(engine, cfg, api_key=SecretStr("sekrit")) as srv:
+        assert_error(httpx.get(srv.url + "/v1/models"), 401, "invalid_api_key")
+        assert_error(
+            httpx.post(
+                srv.url + "/v1/generate",
+                json={"prompt": "x"},
+                headers={"Authorization": "Bearer no"},
+            ),
+            401,
+        )
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/ready").status_code == 200
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+        auth = {"Authorization": "Bearer sekrit"}
+        native = httpx.post(
+            srv.url + "/v1/generate",
+            json={
+                "prompt": "the cat",
+                "max_tokens": 24,
+                "temperature": 0.8,
+                "seed": 5,
+                "top_k": 40,
+            },
+            headers=auth,
+        ).json()
+
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekrit", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["jaxlab"]
+        params: dict[str, Any] = {
+            "model": "jaxlab",
+            "prompt": "the cat",
+            "max_tokens": 24,
+            "temperature": 0.8,
+            "seed": 5,
+            "extra_body": {"top_k": 40},
+        }
+        done = client.completions.create(**params)
+        assert done.choices[0].text == native["text"]
+        assert done.choices[0].finish_reason == native["finish_reason"]
+        assert done.usage is not None and done.usage.completion_tokens == native["generated_tokens"]
+        pieces = list(client.completions.create(**params, stream=True))
+        assert "".join(c.choices[0].text for c in pieces if c.choices) == native["text"]
+        stopped = client.completions.create(**{**params, "stop": [native["text"][5:8]]})
+        assert (
+            stopped.choices[0].text == native["text"][: native["text"].index(native["text"][5:8])]
+        )
+        assert stopped.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="jaxlab", prompt="x", max_tokens=1000)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="x")
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def test_queue_full_is_503_with_retry_after(engine, cfg):
+    with serving(engine, cfg, max_queue=2) as srv:
+        sc = sched(srv)
+        sc.pause_admission()
+
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+                queued = [
+                    asyncio.ensure_future(
+                        client.post("/v1/generate", json={"prompt": f"q{i}", "max_tokens": 4})
+                    )
+                    for i in range(2)
+                ]
+                while sc.num_waiting < 2:
+                    await asyncio.sleep(0.01)
+                full = await client.post("/v1/generate", json={"prompt": "late", "max_tokens": 4})
+                assert metric(metrics(srv.url), "jaxlab_num_requests_waiting") == 2
+                sc.resume_admission()
+                return list(await asyncio.gather(*queued)), full
+
+        queued, full = asyncio.run(scenario())
+        assert_error(full, 503, "queue_full")
+        assert int(full.headers["Retry-After"]) >= 1
+        assert [r.status_code for r in queued] == [200, 200]
+
+
+def test_request_timeout_is_504_and_frees_the_slot(engine, cfg):
+    with serving(engine, cfg, request_timeout_s=1.0, chunk_delay_s=0.4) as srv:
+        url = srv.url
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/generate", json={"prompt": "slow", "max_tokens": 64})
+        assert_error(r, 504, "timeout")
+        assert time.perf_counter() - t0 < 5
+        wait_until(lambda: metric(metrics(url), "jaxlab_num_requests_running") == 0)
+        # Streaming: the 200 header went out with the first token; the error is an event.
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            json={"prompt": "slow", "max_tokens": 64, "stream": True},
+        ) as s:
+            assert s.status_code == 200
+            payloads = [
+                json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")
+            ]
+        assert payloads[-1]["error"]["code"] == "timeout"
+        # Timed out while still queued: a real 504.
+        sched(srv).pause_admission()
+        assert_error(httpx.post(url + "/v1/generate", json={"prompt": "q", "max_tokens": 2}), 504)
+        sched(srv).resume_admission()
+        # Short requests still work, and the slots are free.
+        assert (
+            httpx.post(url + "/v1/generate", json={"prompt": "ok", "max_tokens": 1}).status_code
+            == 200
+        )
+        m = metrics(url)
+        assert metric(m, "jaxlab_requests_total", status="504") == 3
+        assert metric(m, "jaxlab_num_requests_running") == 0
+
+
+def test_client_disconnect_cancels_and_frees_the_slot(engine, cfg):
+    with serving(engine, cfg, chunk_delay_s=0.2) as srv:
+        url = srv.url
+        body = {"prompt": "bye", "max_tokens": 80, "stream": True}
+        with (
+            httpx.Client(base_url=url, timeout=30) as client,
+            client.stream("POST", "/v1/completions", json=body) as s,
+        ):
+            lines = s.iter_lines()
+            assert next(lines).startswith("data: {")
+            assert metric(metrics(url), "jaxlab_num_requests_running") == 1
+        # leaving the block closed the connection mid-stream
+        wait_until(lambda: metric(metrics(url), "jaxlab_num_requests_running") == 0)
+        assert sched(srv).idle
+        # Non-streaming: the client gives up waiting.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/generate", json={"prompt": "bye", "max_tokens": 80}, timeout=0.5)
+        wait_until(lambda: sched(srv).idle)
+        m = metrics(url)
+        assert metric(m, "jaxlab_num_requests_running") == 0
+        assert metric(m, "jaxlab_requests_total", status="499") == 2
+        assert metric(m, "jaxlab_e2e_request_latency_seconds_count") == 0  # none finished
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def test_ready_is_503_until_loaded_and_warmed(engine, cfg):
+    gate = threading.Event()
+
+    def slow_loader() -> Any:
+        gate.wait(60)
+        return engine
+
+    with serving(engine, cfg, loader=slow_loader) as srv:
+        r = httpx.get(srv.url + "/ready")
+        assert r.status_code == 503 and r.json()["state"] == "loading"
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok", "state": "loading"}
+        err = assert_error(httpx.post(srv.url + "/v1/generate", json={"prompt": "x"}), 503)
+        assert err["code"] == "not_ready"
+        assert metric(metrics(srv.url), "jaxlab_model_state", state="loading") == 1
+        gate.set()
+        srv.wait_ready()
+        r = httpx.get(srv.url + "/ready")
+        assert r.status_code == 200 and r.json()["ready"] is True
+        states = [s for s, _ in srv.service.lifecycle.history]
+        assert states == [
+            ModelState.EMPTY,
+            ModelState.LOADING,
+            ModelState.WARMING,
+            ModelState.READY,
+        ]
+        assert (
+            httpx.post(srv.url + "/v1/generate", json={"prompt": "x", "max_tokens": 2}).status_code
+            == 200
+        )
+
+
+def test_a_model_that_fails_to_load_reports_failed(engine, cfg):
+    def broken_loader() -> Any:
+        raise FileNotFoundError("no checkpoint here")
+
+    with serving(engine, cfg, loader=broken_loader) as srv:
+        assert srv.service.wait_ready(30) == ModelState.FAILED
+        r = httpx.get(srv.url + "/ready")
+        assert r.status_code == 503 and r.json()["state"] == "failed"
+        assert "no checkpoint here" in r.json()["error"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert_error(httpx.post(srv.url + "/v1/generate", json={"prompt": "x"}), 503, "not_ready")
+        assert metric(metrics(srv.url), "jaxlab_model_state", state="failed") == 1
+
+
+def test_drain_finishes_in_flight_and_refuses_new_requests(engine, cfg):
+    with serving(engine, cfg, chunk_delay_s=0.25) as srv:
+        url = srv.url
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            json={"prompt": "drain me", "max_tokens": 64, "stream": True},
+        ) as s:
+            lines = s.iter_lines()
+            first = next(lines)
+            srv.server.request_drain()
+            wait_until(lambda: srv.service.state == ModelState.DRAINING)
+            assert httpx.get(url + "/ready").status_code == 503
+            late = httpx.post(url + "/v1/generate", json={"prompt": "late"})
+            assert_error(late, 503, "draining")
+            assert "Retry-After" in late.headers
+            raw = "\n".join([first, *lines]) + "\n"
+        _, finish = stream_text(parse_sse(raw))
+        assert finish == "length"
+        assert srv.wait_exit(30)
+        states = [s for s, _ in srv.service.lifecycle.history]
+        assert states[-2:] == [ModelState.DRAINING, ModelState.STOPPED]
+
+
+def test_zz_nothing_compiled_while_serving(server, engine):
+    """Runs last in the module: all the traffic above compiled nothing new."""
+    warm = sched(server).compiles_after_warmup
+    assert warm is not None
+    assert warm["prefill"] == len(engine.buckets) == 2
+    assert warm["insert"] == 1 and warm["decode"] == 1
+    assert engine.compiles == warm

@@ -1,0 +1,204 @@
+"""Pure-Python pieces of the server: lifecycle, stop strings, request parsing, config."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxlab.config import ConfigError
+from jaxlab.serve.lifecycle import TRANSITIONS, IllegalTransition, Lifecycle, ModelState
+from jaxlab.serve.metrics import ServeMetrics
+from jaxlab.serve.protocol import ApiError, CompletionBody, GenerateBody, parse_json, validate
+from jaxlab.serve.text import TextAssembler
+from jaxlab.tokenizer import byte_tokenizer
+
+S = ModelState
+
+
+def test_lifecycle_happy_path_and_listeners():
+    lc = Lifecycle()
+    seen: list[tuple[str, str]] = []
+    lc.add_listener(lambda a, b: seen.append((a.value, b.value)))
+    for s in (S.LOADING, S.WARMING, S.READY, S.DRAINING, S.STOPPED):
+        lc.to(s)
+    assert lc.state == S.STOPPED
+    assert seen == [
+        ("empty", "loading"),
+        ("loading", "warming"),
+        ("warming", "ready"),
+        ("ready", "draining"),
+        ("draining", "stopped"),
+    ]
+    assert [s for s, _ in lc.history] == [
+        S.EMPTY,
+        S.LOADING,
+        S.WARMING,
+        S.READY,
+        S.DRAINING,
+        S.STOPPED,
+    ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        (S.READY,),  # empty -> ready skips loading and warming
+        (S.LOADING, S.READY),  # no warm-up
+        (S.LOADING, S.WARMING, S.READY, S.WARMING),  # back
+        (S.LOADING, S.WARMING, S.READY, S.STOPPED),  # stop without draining
+        (S.LOADING, S.FAILED, S.LOADING),  # failed is terminal
+        (S.LOADING, S.WARMING, S.READY, S.DRAINING, S.READY),  # no un-draining
+    ],
+)
+def test_lifecycle_illegal_transitions_raise(path):
+    lc = Lifecycle()
+    *ok, bad = path
+    for s in ok:
+        lc.to(s)
+    before = lc.state
+    with pytest.raises(IllegalTransition, match=f"{before} -> {bad}"):
+        lc.to(bad)
+    assert lc.state == before
+
+
+def test_every_state_reaches_a_terminal_state():
+    for state in ModelState:
+        seen, todo = set(), [state]
+        while todo:
+            s = todo.pop()
+            seen.add(s)
+            todo += [n for n in TRANSITIONS[s] if n not in seen]
+        assert seen & {S.STOPPED, S.FAILED}, state
+
+
+def test_model_state_gauge_is_one_hot():
+    m = ServeMetrics()
+    m.set_state(S.WARMING)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    values = {s.labels["state"]: s.value for s in fams["jaxlab_model_state"].samples}
+    assert values == {s.value: (1.0 if s == S.WARMING else 0.0) for s in ModelState}
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _assemble(text: str, stop: list[str]) -> tuple[list[str], TextAssembler]:
+    tok = byte_tokenizer()
+    asm = TextAssembler(tok, stop)
+    deltas = []
+    for t in tok.encode(text):
+        deltas.append(asm.feed(t))
+        if asm.stopped:
+            break
+    deltas.append(asm.finish())
+    return deltas, asm
+
+
+def test_text_without_stops_streams_every_byte_and_never_splits_utf8():
+    text = "héllo wörld ✓ 🚀 done"
+    deltas, asm = _assemble(text, [])
+    assert "".join(deltas) == text == asm.text
+    assert all("\ufffd" not in d for d in deltas)
+    assert not asm.stopped
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("count: 1 2 3 STOP 4 5", ["STOP"], "count: 1 2 3 "),
+        ("abcabcabd", ["abd"], "abcabc"),
+        ("first\n\nsecond", ["\n\n", "sec"], "first"),
+        ("no stop here", ["zzz"], "no stop here"),
+        ("ends with a partial ST", ["STOP"], "ends with a partial ST"),
+        ("✓✓x✓", ["x✓"], "✓✓"),
+    ],
+)
+def test_stop_strings_truncate_and_streaming_equals_final_text(text, stop, expected):
+    deltas, asm = _assemble(text, stop)
+    assert asm.text == expected
+    assert "".join(deltas) == expected
+    assert asm.stopped == (expected != text)
+
+
+def test_held_back_text_is_released_when_the_stop_does_not_complete():
+    tok = byte_tokenizer()
+    asm = TextAssembler(tok, ["STOP"])
+    out = [asm.feed(t) for t in tok.encode("a ST")]
+    assert "".join(out) == "a "  # "ST" might begin "STOP"
+    assert asm.feed(tok.encode("x")[0]) == "STx"
+    assert asm.finish() == ""
+
+
+def test_unknown_token_ids_become_replacement_characters():
+    tok = byte_tokenizer()
+    asm = TextAssembler(tok, [])
+    assert asm.feed(tok.n_vocab + 5) == "\ufffd"
+    assert asm.feed(ord("a")) == "a"
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+def test_parse_json_and_validate_errors_are_openai_shaped():
+    with pytest.raises(ApiError) as e:
+        parse_json(b"{not json")
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+    with pytest.raises(ApiError) as e:
+        parse_json(b"[1, 2]")
+    assert e.value.status == 400
+    with pytest.raises(ApiError) as e:
+        validate(GenerateBody, {"prompt": "x", "max_tokens": "5"})
+    body = e.value.body()
+    assert e.value.status == 422
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == "max_tokens"
+    with pytest.raises(ApiError) as e:
+        validate(GenerateBody, {"prompt": "x", "temprature": 0.5})
+    assert e.value.code == "unknown_field" and e.value.param == "temprature"
+    with pytest.raises(ApiError) as e:
+        validate(GenerateBody, {})
+    assert e.value.code == "missing" and e.value.param == "prompt"
+
+
+def test_completion_body_accepts_openai_extras_and_refuses_unsupported_features():
+    body = validate(CompletionBody, {"model": "m", "prompt": ["one"], "user": "u", "top_k": 3})
+    assert body.single_prompt() == "one" and body.top_k == 3
+    body.check_supported()
+    with pytest.raises(ApiError, match="one prompt per request"):
+        validate(CompletionBody, {"prompt": ["a", "b"]}).single_prompt()
+    for field, value in (("n", 2), ("echo", True), ("logprobs", 2), ("best_of", 3)):
+        with pytest.raises(ApiError) as e:
+            validate(CompletionBody, {"prompt": "a", field: value}).check_supported()
+        assert e.value.status == 400 and e.value.param == field
+    assert validate(CompletionBody, {"prompt": "a", "stop": "x"}).stop_strings() == ("x",)
+    with pytest.raises(ApiError, match="at most 4"):
+        validate(CompletionBody, {"prompt": "a", "stop": list("abcde")}).stop_strings()
+    with pytest.raises(ApiError):
+        validate(CompletionBody, {"prompt": "a", "temperature": -1.0})
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_serve_config_takes_the_run_config_and_only_serving_overrides(tmp_path):
+    from jaxlab.config import load_config, to_toml
+    from jaxlab.serve.config import serve_config
+
+    cfg = load_config("tiny")
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    out = serve_config(
+        tmp_path,
+        ["serve.max_queue=3", "inference.stream_chunk_tokens=4"],
+        environ={"JAXLAB_SERVE__API_KEY": "sekrit"},
+        port=0,
+        slots=2,
+    )
+    assert out.model == cfg.model
+    assert (out.serve.max_queue, out.serve.port, out.serve.slots) == (3, 0, 2)
+    assert out.inference.stream_chunk_tokens == 4
+    assert out.serve.api_key is not None and out.serve.api_key.get_secret_value() == "sekrit"
+    with pytest.raises(ConfigError, match="only overrides"):
+        serve_config(tmp_path, ["model.d_model=128"])
+    with pytest.raises(ConfigError, match="not a run directory"):
+        serve_config(tmp_path / "nope")
