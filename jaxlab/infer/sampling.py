@@ -10,9 +10,11 @@ index, never on the batch it shares or its slot, so a request's output is the sa
 and inside any batch.
 
 Order of operations for a sampled row: ``logits / temperature`` -> top-k -> top-p (on the
-top-k-renormalised distribution, as Hugging Face does) -> ``categorical``. Rows with
-``temperature == 0`` take ``argmax`` of the raw logits. When every row is greedy a
-``lax.cond`` skips the sort and the random draws entirely.
+top-k-renormalised distribution, as Hugging Face does) -> ``categorical`` (Gumbel-max).
+Rows with ``temperature == 0`` take ``argmax`` of the raw logits. When every row is greedy
+a ``lax.cond`` skips the filters and the random draws entirely; when no row filters, a
+second one skips the top-k/top-p mask (a sort-free radix select, see
+:func:`top_k_top_p_mask`).
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ from jax.typing import DTypeLike
 
 Array = jax.Array
 
-#: Tokens per chunk. A ``[C, V]`` f32 block at V = 8192 is 8 MiB for C = 256: it stays in
-#: a 32 MiB L3 while it is reduced and turned into its gradient. Measured on the 2-core
-#: bench machine: 256 and 512 are equally fast, 1024+ slower (``docs/performance.md``).
+#: Tokens per chunk (about: a chunk is ``chunk // B`` positions of every row). A ``[C, V]``
+#: f32 block at V = 8192 is 8 MiB for C = 256, so it stays in a 32 MiB L3 while it is
+#: reduced and turned into its gradient. On the 2-core bench machine 256 was the fastest
+#: of 128 / 256 / 512 for the whole train step, by 2-4% (``docs/performance.md``).
 DEFAULT_CHUNK = 256
 
 

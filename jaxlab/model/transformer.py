@@ -88,11 +88,13 @@ class Block(nnx.Module):
         cache: LayerCache | None,
         cache_index: Array | None,
         key: Array | None,
+        causal: bool = False,
     ) -> tuple[Array, LayerCache | None]:
+        """``causal``: ``mask`` is causal (see :func:`jaxlab.model.attention.attend`)."""
         attn_key = mlp_key = None
         if key is not None:
             attn_key, mlp_key = jax.random.split(key)
-        a, cache = self.attn(self.attn_norm(x), mask, rope, cache, cache_index)
+        a, cache = self.attn(self.attn_norm(x), mask, rope, cache, cache_index, causal=causal)
         x = x + dropout(a, self.dropout_rate, attn_key)
         m = self.mlp(self.mlp_norm(x))
         x = x + dropout(m, self.dropout_rate, mlp_key)
@@ -108,12 +110,13 @@ def _run_block_remat(
     cache: LayerCache | None,
     cache_index: Array | None,
     key: Array | None,
+    causal: bool,
 ) -> tuple[Array, LayerCache | None]:
     """A block as a pure function of its parameters, so ``jax.checkpoint`` can wrap it."""
-    return nnx.merge(graphdef, state)(x, mask, rope, cache, cache_index, key)
+    return nnx.merge(graphdef, state)(x, mask, rope, cache, cache_index, key, causal)
 
 
-_run_block_remat_ckpt = jax.checkpoint(_run_block_remat, static_argnums=(0,))
+_run_block_remat_ckpt = jax.checkpoint(_run_block_remat, static_argnums=(0, 8))
 
 
 class Transformer(nnx.Module):
@@ -277,6 +280,9 @@ class Transformer(nnx.Module):
                 )
             mask = cache_mask(positions, kv_cache.max_len)
 
+        # Without a cache the mask is causal (& same-segment): every token sees itself, none
+        # sees its future, so attention may skip key blocks in a query block's future.
+        causal = kv_cache is None
         new_k: list[Array] = []
         new_v: list[Array] = []
         for i, block in enumerate(self.blocks):
@@ -285,10 +291,10 @@ class Transformer(nnx.Module):
             if self.remat:
                 graphdef, state = nnx.split(block)
                 x, layer_cache = _run_block_remat_ckpt(
-                    graphdef, state, x, mask, rope, layer_cache, cache_index, key
+                    graphdef, state, x, mask, rope, layer_cache, cache_index, key, causal
                 )
             else:
-                x, layer_cache = block(x, mask, rope, layer_cache, cache_index, key)
+                x, layer_cache = block(x, mask, rope, layer_cache, cache_index, key, causal)
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])

@@ -22,12 +22,15 @@ _JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 #: XLA:CPU flags jaxlab sets by default (``--name=value``), with the reason for each.
 #:
-#: * ``xla_cpu_experimental_ynn_fusion_type=individual_dot``: XLA:CPU (jaxlib 0.10) by
-#:   default also hands *reductions* (and the dots feeding them) to YNNPACK
-#:   ("``reduce``" fusions), which on the bench machine made the bench-small train step
-#:   about 1.4x slower than plain XLA reductions. Keeping YNNPACK for individual dots only
-#:   keeps its fast matmuls. No numerics semantics change (no fast-math, f32 stays f32);
-#:   only which kernel runs a dot or a reduction, i.e. the f32 summation order.
+#: * ``xla_cpu_experimental_ynn_fusion_type=individual_dot``. XLA:CPU in jaxlib 0.10 hands
+#:   individual dots *and* reductions (with the ops feeding them) to YNNPACK by default.
+#:   On the 2-core bench machine the YNNPACK reductions made the original bench-small
+#:   train step 1.2-1.4x slower. YNNPACK's dots, on the other hand, make the memory-bound
+#:   decode step 1.3-1.9x faster than XLA's own kernels (batch 1 and 8), and after the
+#:   model's own fixes the train step is the same speed either way within run-to-run
+#:   noise (``docs/performance.md``). So YNNPACK keeps the dots and loses the reductions.
+#:   Numerics semantics are unchanged (no fast-math, f32 stays f32, default matmul
+#:   precision): only which kernel runs a dot or a reduction, i.e. the f32 summation order.
 XLA_CPU_DEFAULTS: dict[str, str] = {
     "xla_cpu_experimental_ynn_fusion_type": "individual_dot",
 }

@@ -5,7 +5,8 @@
   gradients (h, kernel, mask), tied and untied, with padding and uneven chunks;
 * ``token_losses`` (which uses it) equals the plain logits-based loss of the model, and
   its parameter gradients equal those of the plain loss;
-* ``dense`` (flattened to 2-D) equals the batched matmul;
+* ``dense`` (flattened to 2-D) equals the batched matmul, and causal attention that skips
+  the future key block equals full masked attention;
 * the XLA:CPU flag defaults respect the user's own ``XLA_FLAGS``.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxlab.config import load_config
-from jaxlab.model import apply, dense, make_model, split_model
+from jaxlab.model import apply, attend, causal_mask, dense, make_model, segment_mask, split_model
 from jaxlab.model.loss import head_cross_entropy
 from jaxlab.runtime.platform import XLA_CPU_DEFAULTS, apply_xla_cpu_defaults
 from jaxlab.train.step import token_losses
@@ -185,9 +186,9 @@ def test_xla_cpu_defaults_respect_user_flags():
     assert apply_xla_cpu_defaults(env) == [f"--{name}={value}"]
     assert env["XLA_FLAGS"] == f"--{name}={value}"
     assert apply_xla_cpu_defaults(env) == []  # idempotent
-    mine = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 --{name}="}
+    mine = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 --{name}=foo"}
     assert apply_xla_cpu_defaults(mine) == []
-    assert mine["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 --{name}="
+    assert mine["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 --{name}=foo"
     other = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     apply_xla_cpu_defaults(other)
     assert other["XLA_FLAGS"].split() == [
@@ -196,3 +197,23 @@ def test_xla_cpu_defaults_respect_user_flags():
     ]
     off = {"JAXLAB_XLA_CPU_DEFAULTS": "0"}
     assert apply_xla_cpu_defaults(off) == [] and "XLA_FLAGS" not in off
+
+
+@pytest.mark.parametrize(("t", "n_kv", "segmented"), [(64, 4, False), (128, 2, True)])
+def test_causal_block_skipping_equals_full_attention(t, n_kv, segmented):
+    rng = np.random.default_rng(5)
+    b, h, d = 2, 4, 16
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, n_kv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, t, n_kv, d)), jnp.float32)
+    mask = causal_mask(t)
+    if segmented:
+        seg = np.ones((b, t), np.int32)
+        seg[0, t // 3 :] = 2
+        seg[1, t // 2 + 5 :] = 3
+        mask = mask & segment_mask(jnp.asarray(seg))
+    run = jax.jit(attend, static_argnums=4, static_argnames="causal")
+    for impl in ("einsum", "xla"):
+        full = run(q, k, v, mask, impl)
+        skip = run(q, k, v, mask, impl, causal=True)
+        np.testing.assert_allclose(np.asarray(skip), np.asarray(full), rtol=1e-5, atol=1e-6)
