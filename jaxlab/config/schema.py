@@ -233,6 +233,11 @@ class ServeConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     slots: int = Field(default=4, ge=1, description="Concurrent decode slots sharing one KV cache.")
+    prefill_batch: int = Field(
+        default=8,
+        ge=1,
+        description="Waiting requests prefilled together as one batch (1 = one at a time).",
+    )
     max_queue: int = Field(
         default=64, ge=1, description="Waiting requests before 503 + Retry-After."
     )

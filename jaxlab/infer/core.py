@@ -175,6 +175,36 @@ def insert(prefix: DecodeState, state: DecodeState, slot: Array) -> DecodeState:
     )
 
 
+def insert_rows(prefix: DecodeState, state: DecodeState, slots: Array) -> DecodeState:
+    """Copy row ``i`` of the ``B``-row ``prefix`` into slot ``slots[i]`` of ``state``.
+
+    ``slots: i32[B]``; a negative entry skips its row (a padding row of a batched prefill,
+    or a request that finished in prefill). A scatter per field with ``mode="drop"``: the
+    skipped rows get an out-of-range index, which the scatter drops, so no row of ``state``
+    but the chosen ones changes. In place when ``state`` is donated; compiled once per
+    ``B``. Slots must be distinct.
+    """
+    n = state.slots
+    n_kv = prefix.k[0].shape[0] // prefix.slots
+    idx = jnp.where(slots >= 0, slots, n)  # n is out of range -> dropped
+
+    def put(big: Array, rows: Array, at: Array) -> Array:
+        return big.at[at].set(rows.astype(big.dtype), mode="drop")
+
+    fields = jax.tree.map(
+        lambda big, rows: put(big, rows, idx),
+        dataclasses.replace(state, k=(), v=()),
+        dataclasses.replace(prefix, k=(), v=()),
+    )
+    # Cache rows of slot s are s * K .. s * K + K - 1; a dropped row's stay >= n * K.
+    cache_idx = (idx[:, None] * n_kv + jnp.arange(n_kv, dtype=idx.dtype)[None, :]).reshape(-1)
+    return dataclasses.replace(
+        fields,
+        k=tuple(put(a, b, cache_idx) for a, b in zip(state.k, prefix.k, strict=True)),
+        v=tuple(put(a, b, cache_idx) for a, b in zip(state.v, prefix.v, strict=True)),
+    )
+
+
 # ---------------------------------------------------------------------------- naive path
 
 

@@ -14,7 +14,9 @@ right-padded to one bucket) and runs the decode loop to completion in one jitted
 
 Every jitted entry point is a :class:`ShapeKeyedJit`; :attr:`Engine.compiles` counts
 executables per function (``prefill`` once per (bucket, batch), ``decode`` once per
-(chunk length, slots), ``insert`` once per slot count).
+(chunk length, slots), ``insert`` once per slot count, ``insert_rows`` once per (prefix
+rows, slots)). A server admitting several requests at once prefills them as one ragged
+batch and scatters the rows into their slots with one ``insert_rows``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ import numpy as np
 from flax import nnx
 
 from jaxlab.config.schema import JaxlabConfig
-from jaxlab.infer.core import NO_TOKEN, insert, make_naive_decode, make_prefill, naive_step
+from jaxlab.infer.core import (
+    NO_TOKEN,
+    insert,
+    insert_rows,
+    make_naive_decode,
+    make_prefill,
+    naive_step,
+)
 from jaxlab.infer.fused import make_decode
 from jaxlab.infer.sampling import SamplingParams, sampling_arrays
 from jaxlab.infer.state import DecodeState, NaiveState, Prefix, empty_decode_state
@@ -183,6 +192,7 @@ class Engine:
             warn_on_recompile=False,  # once per (bucket, batch) by design
         )
         self._insert = ShapeKeyedJit(insert, name="insert", donate_argnums=(1,))
+        self._insert_rows = ShapeKeyedJit(insert_rows, name="insert_rows", donate_argnums=(1,))
         self._decode: dict[int, ShapeKeyedJit] = {}
 
         def naive_first(p: nnx.State, s: NaiveState) -> tuple[NaiveState, Array]:
@@ -278,12 +288,13 @@ class Engine:
             "prefill": self._prefill.compiles,
             "decode": sum(f.compiles for f in self._decode.values()),
             "insert": self._insert.compiles,
+            "insert_rows": self._insert_rows.compiles,
             "naive_prefill": self._naive_prefill.compiles,
             "naive_decode": sum(f.compiles for f in self._naive_decode.values()),
         }
 
     def _jitted(self) -> list[ShapeKeyedJit]:
-        fns = [self._prefill, self._insert, self._naive_prefill]
+        fns = [self._prefill, self._insert, self._insert_rows, self._naive_prefill]
         return [*fns, *self._decode.values(), *self._naive_decode.values()]
 
     def _compile_s(self) -> float:
@@ -421,6 +432,24 @@ class Engine:
         if not 0 <= slot < state.slots:
             raise IndexError(f"slot {slot} out of range for {state.slots} slots")
         return self._insert(prefix, state, _put(np.asarray(slot, np.int32)))
+
+    def insert_rows(
+        self, prefix: DecodeState, state: DecodeState, slots: Sequence[int]
+    ) -> DecodeState:
+        """Copy row ``i`` of a batched ``prefix`` (:meth:`prefill_batch`) into ``slots[i]``.
+
+        ``-1`` skips a row (padding, or finished in prefill); slots must be distinct.
+        ``state`` is donated; compiled once per number of prefix rows.
+        """
+        if len(slots) != prefix.slots:
+            raise ValueError(f"{len(slots)} slots for a prefix of {prefix.slots} rows")
+        chosen = [s for s in slots if s >= 0]
+        if len(set(chosen)) != len(chosen):
+            raise ValueError(f"slots must be distinct, got {list(slots)}")
+        bad = [s for s in chosen if s >= state.slots]
+        if bad:
+            raise IndexError(f"slot {bad[0]} out of range for {state.slots} slots")
+        return self._insert_rows(prefix, state, _put(np.asarray(slots, np.int32)))
 
     def generate_chunk(
         self, state: DecodeState, k: int | None = None, *, params: nnx.State | None = None

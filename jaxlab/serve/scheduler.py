@@ -5,6 +5,8 @@ The scheduler owns a batched :class:`~jaxlab.infer.state.DecodeState` of ``slots
 
     drop cancelled / timed-out requests (their slots are freed at once)
     admit: while a slot is free and a request waits -> prefill (bucketed) -> insert
+           (groups of ``prefill_batch`` waiting requests: one ragged prefill, one
+           ``insert_rows`` scatter; the rest one at a time)
     one generate_chunk(k) over every slot      (one jitted while_loop, <= k tokens each)
     route each slot's new tokens to its request; free the finished slots
 
@@ -208,6 +210,9 @@ class Scheduler:
     Args:
       engine: a loaded :class:`~jaxlab.infer.engine.Engine`.
       slots: decode slots (rows of the batched KV cache).
+      prefill_batch: when at least this many requests are admitted at once, they are
+        prefilled ``prefill_batch`` at a time as one ragged batch (the remainder one by
+        one), so the compile count stays ``2 * buckets`` prefills.
       max_queue: waiting requests beyond which :meth:`submit` raises :class:`QueueFull`.
       request_timeout_s: arrival to last token; past it the request fails with 504.
       chunk_tokens: decode steps per ``generate_chunk`` call (default
@@ -220,6 +225,7 @@ class Scheduler:
         *,
         slots: int,
         max_queue: int,
+        prefill_batch: int = 1,
         request_timeout_s: float,
         chunk_tokens: int | None = None,
         metrics: ServeMetrics | None = None,
@@ -229,6 +235,7 @@ class Scheduler:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.slots = slots
+        self.prefill_batch = max(1, min(prefill_batch, slots))
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
         self.chunk_tokens = chunk_tokens or engine.cfg.inference.stream_chunk_tokens
@@ -297,9 +304,16 @@ class Scheduler:
         self._state = eng.init_decode_state(self.slots)
         self._empty = eng.init_decode_state(1)
         tok = self.tokenizer.eot_id
+        one = SamplingParams(max_new_tokens=1)
+        p = self.prefill_batch
         for b in eng.buckets:
             n = min(b, eng.max_len - 1)
-            jax.block_until_ready(eng.prefill([tok] * n, SamplingParams(max_new_tokens=1)))
+            jax.block_until_ready(eng.prefill([tok] * n, one))
+            if p > 1:
+                jax.block_until_ready(eng.prefill_batch([[tok] * n] * p, [one] * p, bucket=b))
+        if p > 1:  # compile insert_rows: write nothing (every row skipped)
+            rows, _ = eng.prefill_batch([[tok]] * p, [one] * p)
+            self._state = eng.insert_rows(rows, self._state, [-1] * p)
         # One real pass through insert -> decode -> free, on slot 0.
         budget = 2 if eng.max_len >= 3 else 1
         prefix = eng.prefill([tok], SamplingParams(max_new_tokens=budget, ignore_eos=True))
@@ -393,8 +407,7 @@ class Scheduler:
             for h, err in dropped:
                 self._finish(h, error=err)
             self._reap_running()
-            for h in admit:
-                self._admit(h)
+            self._admit_all(admit)
             if self.num_running and time.perf_counter() >= self._next_chunk_at:
                 self._decode_chunk()
             elif not admit and not dropped:
@@ -452,34 +465,63 @@ class Scheduler:
             log.exception("freeing slot %d failed; resetting the decode state", slot)
             self._reset_state()
 
-    def _admit(self, h: RequestHandle) -> None:
+    def _admit_all(self, admit: list[RequestHandle]) -> None:
+        """Prefill and insert ``admit`` (at most the free slots' number of requests)."""
+        p = self.prefill_batch
+        if p == 1 or len(admit) < p:
+            for h in admit:
+                self._admit_group([h])
+            return
+        # Similar lengths share a bucket: sort, then take full groups of ``p``.
+        admit = sorted(admit, key=lambda h: len(h.request.prompt_ids))
+        full = len(admit) - len(admit) % p
+        for i in range(0, full, p):
+            self._admit_group(admit[i : i + p])
+        for h in admit[full:]:
+            self._admit_group([h])
+
+    def _admit_group(self, group: list[RequestHandle]) -> None:
+        """One prefill for ``group`` (ragged batch when several), then insert the rows."""
         import jax
 
-        h.t_admit = time.perf_counter()
-        self.metrics.queue_time.observe(h.t_admit - h.t_arrival)
-        req = h.request
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        t_admit = time.perf_counter()
+        for h in group:
+            h.t_admit = t_admit
+            self.metrics.queue_time.observe(t_admit - h.t_arrival)
+            self.metrics.prompt_tokens.inc(len(h.request.prompt_ids))
         try:
-            prefix = self.engine.prefill(req.prompt_ids, req.sampling)
+            prefix, _ = self.engine.prefill_batch(
+                [h.request.prompt_ids for h in group], [h.request.sampling for h in group]
+            )
             first, done = jax.device_get((prefix.tokens, prefix.done))
         except Exception as e:
-            log.exception("prefill failed for request %d", h.id)
-            self._finish(h, error=ServeError(500, f"prefill failed: {e}", code="internal_error"))
+            log.exception("prefill failed for request(s) %s", [h.id for h in group])
+            err = ServeError(500, f"prefill failed: {e}", code="internal_error")
+            for h in group:
+                self._finish(h, error=err)
             return
-        h.prefill_s = time.perf_counter() - h.t_admit
-        finished_now = bool(done[0])
-        if not finished_now:
-            slot = self._running.index(None)
+        prefill_s = time.perf_counter() - t_admit
+        free = [i for i, r in enumerate(self._running) if r is None]
+        slots = [-1 if done[i] else free.pop(0) for i in range(len(group))]
+        if any(s >= 0 for s in slots):
             try:
-                self._state = self.engine.insert(prefix, self._state, slot)
+                if len(group) == 1:
+                    self._state = self.engine.insert(prefix, self._state, slots[0])
+                else:
+                    self._state = self.engine.insert_rows(prefix, self._state, slots)
             except Exception as e:
-                log.exception("insert failed for request %d", h.id)
+                log.exception("insert failed for request(s) %s", [h.id for h in group])
                 self._reset_state()
-                self._finish(h, error=ServeError(500, f"insert failed: {e}", code="internal_error"))
+                err = ServeError(500, f"insert failed: {e}", code="internal_error")
+                for h in group:
+                    self._finish(h, error=err)
                 return
-            self._running[slot] = h
-            h.slot = slot
-        self._route(h, [int(first[0])], finished_now)
+        for i, h in enumerate(group):
+            h.prefill_s = prefill_s
+            if slots[i] >= 0:
+                self._running[slots[i]] = h
+                h.slot = slots[i]
+            self._route(h, [int(first[i])], bool(done[i]))
 
     def _decode_chunk(self) -> None:
         import jax

@@ -130,6 +130,7 @@ class ModelService:
             sched = Scheduler(
                 engine,
                 slots=self.serve_cfg.slots,
+                prefill_batch=self.serve_cfg.prefill_batch,
                 max_queue=self.serve_cfg.max_queue,
                 request_timeout_s=self.serve_cfg.request_timeout_s,
                 chunk_tokens=self.cfg.inference.stream_chunk_tokens,

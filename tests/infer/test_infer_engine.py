@@ -279,6 +279,40 @@ def test_prefill_insert_generate_chunk_equals_offline_generate():
     assert eng.compiles["insert"] == 1
 
 
+def test_batched_prefill_insert_rows_equals_offline_generate():
+    """Several requests prefilled as one ragged batch and scattered into chosen slots
+    (one row skipped with -1) decode exactly as each request alone."""
+    eng = main_engine()
+    prompts = [[5, 3, 2], [1] * 20, [8, 9]]  # the last is left out of the state (slot -1)
+    samplings = [
+        greedy(7),
+        SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3),
+        greedy(4),
+    ]
+    expected = [
+        eng.generate([Request(p, s)])[0].token_ids for p, s in zip(prompts, samplings, strict=True)
+    ]
+    state = eng.init_decode_state(4)
+    prefix, _ = eng.prefill_batch(prompts, samplings)
+    first = np.asarray(prefix.tokens)
+    slots = [3, 0, -1]
+    state = eng.insert_rows(prefix, state, slots)
+    got = {0: [int(first[0])], 1: [int(first[1])]}
+    while not bool(np.all(np.asarray(state.done))):
+        state, toks, _ = eng.generate_chunk(state, 4)
+        for i in (0, 1):
+            got[i] += [int(t) for t in np.asarray(toks)[:, slots[i]] if t >= 0]
+    assert [got[0], got[1]] == expected[:2]
+    assert bool(np.asarray(state.done)[1]) and bool(np.asarray(state.done)[2])  # untouched
+    assert int(first[2]) == expected[2][0]  # the skipped row was still prefilled right
+    with pytest.raises(ValueError, match="distinct"):
+        eng.insert_rows(prefix, eng.init_decode_state(4), [1, 1, -1])
+    with pytest.raises(ValueError, match="3 rows"):
+        eng.insert_rows(prefix, eng.init_decode_state(4), [0, 1])
+    with pytest.raises(IndexError, match="out of range"):
+        eng.insert_rows(prefix, eng.init_decode_state(4), [0, 4, -1])
+
+
 def test_stream_chunks_concatenate_to_the_offline_result():
     eng = main_engine()
     reqs = [Request([1, 2, 3], greedy(13)), Request([4] * 9, greedy(5)), Request([7], greedy(1))]

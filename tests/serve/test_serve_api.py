@@ -655,10 +655,57 @@ def test_drain_finishes_in_flight_and_refuses_new_requests(engine, cfg):
         assert states[-2:] == [ModelState.DRAINING, ModelState.STOPPED]
 
 
+def test_requests_admitted_together_share_one_prefill_and_equal_offline(
+    server, engine, run_dir, cfg
+):
+    """With every slot free, waiting requests are prefilled as one ragged batch and
+    scattered into their slots (one finishes in prefill and takes no slot); each output
+    equals generating it alone, and nothing compiles beyond the warm-up."""
+    from jaxlab.infer.engine import Engine, Request
+    from jaxlab.infer.sampling import SamplingParams
+    from jaxlab.serve.scheduler import GenRequest
+
+    s = sched(server)
+    assert s.prefill_batch == 4 == s.slots
+    wait_until(lambda: s.idle)
+    reqs = [
+        ([7] * 3, SamplingParams(max_new_tokens=9, ignore_eos=True)),
+        ([9] * 25, SamplingParams(max_new_tokens=5, temperature=0.9, seed=4, ignore_eos=True)),
+        ([11] * 2, SamplingParams(max_new_tokens=1, ignore_eos=True)),  # done in prefill
+        ([13] * 12, SamplingParams(max_new_tokens=7, top_k=5, temperature=1.0, seed=1)),
+        ([15] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True)),  # waits for a slot
+    ]
+    reference = Engine.from_run_dir(run_dir, cfg=cfg)  # its compiles are its own
+    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in reqs]
+    calls: list[int] = []
+    prefill_batch = engine.prefill_batch
+
+    def counting(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(prompts))
+        return prefill_batch(prompts, *args, **kwargs)
+
+    s.pause_admission()
+    engine.prefill_batch = counting
+    try:
+        handles = [s.submit(GenRequest(list(ids), sp)) for ids, sp in reqs]
+        s.resume_admission()
+        for h in handles:
+            while h.get(timeout=60).kind == "tokens":
+                pass
+    finally:
+        del engine.prefill_batch
+        s.resume_admission()
+    assert [h.token_ids for h in handles] == expected
+    assert calls[0] == 4 and sorted(calls[1:]) == [1]
+    assert engine.compiles == s.compiles_after_warmup
+
+
 def test_zz_nothing_compiled_while_serving(server, engine):
     """Runs last in the module: all the traffic above compiled nothing new."""
     warm = sched(server).compiles_after_warmup
     assert warm is not None
-    assert warm["prefill"] == len(engine.buckets) == 2
-    assert warm["insert"] == 1 and warm["decode"] == 1
+    # One prefill per bucket for single requests and one per bucket for batches of
+    # serve.prefill_batch (= the 4 slots here).
+    assert warm["prefill"] == 2 * len(engine.buckets) == 4
+    assert warm["insert"] == 1 and warm["insert_rows"] == 1 and warm["decode"] == 1
     assert engine.compiles == warm

@@ -127,4 +127,5 @@ def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
     assert "SIGTERM: drained" in stderr
     doc = json.loads((tmp_path / "stdout").read_text())
     assert doc["port"] == port and doc["url"] == url and doc["checkpoint_step"] == RUN_STEPS
-    assert doc["compiles"]["prefill"] == 1 and doc["compiles"]["decode"] == 1
+    # One bucket, prefilled alone and in batches of serve.prefill_batch (= the 4 slots).
+    assert doc["compiles"]["prefill"] == 2 and doc["compiles"]["decode"] == 1
