@@ -12,10 +12,14 @@ from pathlib import Path
 from jaxlab.config import load_config
 from jaxlab.infer.engine import Engine, Request
 from jaxlab.infer.sampling import SamplingParams
+from jaxlab.runtime import configure_platform
 from jaxlab.train.trainer import Trainer
 
 
 def main() -> None:
+    # What the CLI does first: pick the platform and jaxlab's XLA:CPU flag defaults
+    # (docs/performance.md) before JAX starts a backend. Optional; "auto" keeps JAX's choice.
+    configure_platform("auto")
     run_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "run"
     # The same loader the CLI uses: preset < env < overrides.
     cfg = load_config(

@@ -1,0 +1,69 @@
+"""The scripts under examples/ run as a user runs them: a subprocess each.
+
+``train_and_generate.py`` trains a tiny model and generates through the library API;
+``openai_client.py`` then talks to a real server on that run with the official ``openai``
+client (completion with a stop string and usage, then an SSE stream).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def run_example(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXLAB_")}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    run_dir = tmp_path_factory.mktemp("example") / "run"
+    proc = run_example("train_and_generate.py", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    return run_dir, proc.stdout
+
+
+def test_train_and_generate_through_the_library(trained):
+    run_dir, out = trained
+    lines = out.splitlines()
+    assert lines[0].startswith("trained 150 steps: loss ")
+    assert len(lines) == 4 and lines[1].startswith("'") and lines[2].startswith("'")
+    assert "'prefill': 1, 'decode': 1" in lines[3]
+    assert (run_dir / "checkpoints" / "150").is_dir()
+    assert (run_dir / "metrics.jsonl").is_file()
+
+
+def test_openai_client_against_jaxlab_serve(trained):
+    from jaxlab.serve import ModelService, ServerThread, serve_config
+
+    run_dir, _ = trained
+    cfg = serve_config(run_dir, ["serve.port=0"], environ={})
+    service = ModelService.from_run_dir(cfg, run_dir)
+    srv = ServerThread(service).start()
+    try:
+        srv.wait_ready(timeout_s=300)
+        proc = run_example("openai_client.py", srv.url + "/v1")
+    finally:
+        srv.stop()
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "model: jaxlab"
+    assert lines[1].startswith("completion (stop): ") or lines[1].startswith("completion (length)")
+    assert lines[2].startswith("usage: 5 prompt + ")
+    assert lines[3].startswith("stream: ")
