@@ -96,8 +96,14 @@ HEADLINES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     (
         "serve",
         "slots_speedup",
-        {},
-        "server output tokens/s, 16 slots / 1 slot at concurrency 16 (target >= 4x)",
+        {"sampling": "greedy"},
+        "server output tokens/s, 16 slots / 1 slot, concurrency 16, greedy (target >= 4x)",
+    ),
+    (
+        "serve",
+        "slots_speedup",
+        {"sampling": "temperature=0.8"},
+        "the same, sampled at temperature 0.8",
     ),
 )
 
@@ -190,6 +196,20 @@ def readme_with_results(readme: str, recs: Sequence[Record]) -> str:
     return f"{head}{START}{block}\n{END}{tail}"
 
 
+def _run_meta_note(run_dir: Path, rel: Path) -> str:
+    """``: `command` (config)`` from the set's ``run.json``, when it has one."""
+    import json
+
+    meta_path = run_dir / "run.json"
+    if not meta_path.is_file():
+        return ""
+    meta = json.loads(meta_path.read_text())
+    note = f": `{meta['command']}`" if meta.get("command") else ""
+    if (run_dir / "config.toml").is_file():
+        note += f" ([resolved config]({rel}/config.toml))"
+    return note
+
+
 def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> str:
     recs = list(records)
     lines = ["# Results", ""]
@@ -207,7 +227,7 @@ def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> s
             if d.resolve().is_relative_to(root.resolve())
             else d
         )
-        lines.append(f"- [`{rel}`]({rel}/records.jsonl)")
+        lines.append(f"- [`{rel}`]({rel}/records.jsonl){_run_meta_note(d, rel)}")
     lines += ["", "## Hardware and software", ""]
     envs = sorted(
         {

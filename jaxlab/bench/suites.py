@@ -176,6 +176,34 @@ def _run_one(ctx: BenchContext, name: str) -> list[Record]:
     return ctx.records[start:]
 
 
+RUN_META_FILENAME = "run.json"
+RUN_CONFIG_FILENAME = "config.toml"
+
+
+def write_run_meta(
+    run_dir: Path, run_id: str, suites: Sequence[str], quick: bool, config: JaxlabConfig
+) -> None:
+    """``run.json`` (how the run was started) and ``config.toml`` (the resolved config,
+    secrets left out), so a committed record set says what produced it."""
+    import json
+    import shlex
+    import sys
+
+    from jaxlab.config import to_toml
+
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    prog = "jaxlab" if prog in ("__main__.py", "-m") else prog
+    argv = [prog, *sys.argv[1:]] if prog else []
+    meta = {
+        "run_id": run_id,
+        "suites": list(suites),
+        "quick": quick,
+        "command": shlex.join(argv) if argv else None,
+    }
+    (run_dir / RUN_META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
+    (run_dir / RUN_CONFIG_FILENAME).write_text(to_toml(config))
+
+
 def run_bench(
     names: Sequence[str],
     *,
@@ -199,6 +227,7 @@ def run_bench(
     run_id = run_id or new_run_id()
     run_dir = (Path(out) if out is not None else default_out_dir(config)) / run_id
     run_dir.mkdir(parents=True, exist_ok=False)
+    write_run_meta(run_dir, run_id, [s.name for s in specs], quick, config)
     ctx = BenchContext(
         config=config,
         quick=quick,

@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli
 
 from jaxlab.bench.record import load_records
+from jaxlab.config import config_hash, from_toml
 
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 
@@ -50,6 +51,12 @@ def test_quick_run_writes_valid_records_summaries_and_plots(quick_run):
     assert doc["failed"] == 0 and doc["records"] == len(doc["summary"])
     for name in ("records.jsonl", "summary.csv", "summary.md"):
         assert (run_dir / name).is_file(), name
+    # How the run was started, and the resolved config its records hash.
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["command"].startswith("jaxlab bench peak tokenizer compile --quick --out ")
+    assert meta["suites"] == ["peak", "tokenizer", "compile"] and meta["quick"] is True
+    saved = from_toml((run_dir / "config.toml").read_text())
+    assert {config_hash(saved)} == {rec.config_hash for rec in load_records(run_dir)}
     assert {p.name for p in (run_dir / "plots").glob("*.png")} == {
         "peak.png",
         "tokenizer.png",
