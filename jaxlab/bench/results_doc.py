@@ -201,8 +201,12 @@ def _run_meta_note(run_dir: Path, rel: Path) -> str:
     import json
 
     meta_path = run_dir / "run.json"
-    if not meta_path.is_file():
-        return ""
+    if not meta_path.is_file():  # an older set: say at least which suites it holds
+        try:
+            suites = list(dict.fromkeys(r.suite for r in load_records(run_dir)))
+        except Exception:
+            return ""
+        return f": suites {', '.join(suites)}" if suites else ""
     meta = json.loads(meta_path.read_text())
     note = f": `{meta['command']}`" if meta.get("command") else ""
     if (run_dir / "config.toml").is_file():
