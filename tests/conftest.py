@@ -25,6 +25,14 @@ class CliResult:
         return json.loads(self.stdout)
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without ``JAXLAB_*``, on the CPU, uncoloured, unbuffered:
+    what a test's subprocess runs with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXLAB_")}
+    env.update({"NO_COLOR": "1", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
 def run_cli(
     *args: str,
     env: dict[str, str] | None = None,
@@ -33,8 +41,7 @@ def run_cli(
     python_flags: tuple[str, ...] = (),
 ) -> CliResult:
     """Run ``python -m jaxlab ARGS`` as a user would, with a clean JAXLAB_* environment."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("JAXLAB_")}
-    base.update({"NO_COLOR": "1", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    base = clean_env()
     base.update(env or {})
     proc = subprocess.run(
         [sys.executable, *python_flags, "-m", "jaxlab", *args],

@@ -7,25 +7,22 @@ client (completion with a stop string and usage, then an SSE stream).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, clean_env
 
 pytestmark = pytest.mark.slow
 
 
 def run_example(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXLAB_")}
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=clean_env(),
         cwd=str(ROOT),
         timeout=timeout,
     )

@@ -11,6 +11,7 @@ byte equality.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -196,16 +197,12 @@ def readme_with_results(readme: str, recs: Sequence[Record]) -> str:
     return f"{head}{START}{block}\n{END}{tail}"
 
 
-def _run_meta_note(run_dir: Path, rel: Path) -> str:
-    """``: `command` (config)`` from the set's ``run.json``, when it has one."""
-    import json
-
+def _run_meta_note(run_dir: Path, rel: Path, recs: Sequence[Record]) -> str:
+    """``: `command` (config)`` from the set's ``run.json``; for an older set without one,
+    the suites its records hold."""
     meta_path = run_dir / "run.json"
-    if not meta_path.is_file():  # an older set: say at least which suites it holds
-        try:
-            suites = list(dict.fromkeys(r.suite for r in load_records(run_dir)))
-        except Exception:
-            return ""
+    if not meta_path.is_file():
+        suites = list(dict.fromkeys(r.suite for r in recs if r.run_id == run_dir.name))
         return f": suites {', '.join(suites)}" if suites else ""
     meta = json.loads(meta_path.read_text())
     note = f": `{meta['command']}`" if meta.get("command") else ""
@@ -231,7 +228,7 @@ def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> s
             if d.resolve().is_relative_to(root.resolve())
             else d
         )
-        lines.append(f"- [`{rel}`]({rel}/records.jsonl){_run_meta_note(d, rel)}")
+        lines.append(f"- [`{rel}`]({rel}/records.jsonl){_run_meta_note(d, rel, recs)}")
     lines += ["", "## Hardware and software", ""]
     envs = sorted(
         {

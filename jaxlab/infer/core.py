@@ -26,8 +26,7 @@ from flax import nnx
 from jaxlab.config.schema import ModelConfig
 from jaxlab.infer.sampling import SamplingArrays, hits_stop, sample
 from jaxlab.infer.state import DecodeState, NaiveState, from_model_cache
-from jaxlab.model import KVCache, Transformer, apply, cache_mask, init_kv_cache, rope_tables
-from jaxlab.model.layers import dense
+from jaxlab.model import KVCache, Transformer, apply, cache_mask, init_kv_cache
 
 Array = jax.Array
 
@@ -63,14 +62,7 @@ def prefill_forward(
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = model.embed(tokens)
-    if model.pos_embed is not None:
-        x = x + model.pos_embed(positions)
-    rope = (
-        rope_tables(positions, model.head_dim, model.rope_theta)
-        if model.positions_kind == "rope"
-        else None
-    )
+    x, rope = model.embed_inputs(tokens, positions)
     mask = cache_mask(positions, cache.max_len)
     start = jnp.zeros((b,), jnp.int32)
     new_k: list[Array] = []
@@ -81,12 +73,7 @@ def prefill_forward(
         new_k.append(layer[0])
         new_v.append(layer[1])
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
-    h = model.final_norm(last)
-    if model.lm_head is None:
-        logits = model.embed.attend(h, model.compute_dtype)
-    else:
-        logits = dense(h, model.lm_head[...], model.compute_dtype, jnp.float32)
-    return logits[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
+    return model.logits(model.final_norm(last))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
 def make_prefill(
@@ -153,26 +140,9 @@ def decode_loop(
 
 
 def insert(prefix: DecodeState, state: DecodeState, slot: Array) -> DecodeState:
-    """Copy the one-slot ``prefix`` into slot ``slot`` of ``state`` (donate ``state``).
-
-    Cache rows ``slot * K .. slot * K + K - 1`` (the engine layout), every per-row field
-    at ``slot``; each a ``dynamic_update_slice``, in place when ``state`` is donated.
-    """
-    n_kv = prefix.k[0].shape[0]
-
-    def put(big: Array, one: Array, start: Array) -> Array:
-        return jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), start, axis=0)
-
-    rows = jax.tree.map(
-        lambda big, one: put(big, one, slot),
-        dataclasses.replace(state, k=(), v=()),
-        dataclasses.replace(prefix, k=(), v=()),
-    )
-    return dataclasses.replace(
-        rows,
-        k=tuple(put(a, b, slot * n_kv) for a, b in zip(state.k, prefix.k, strict=True)),
-        v=tuple(put(a, b, slot * n_kv) for a, b in zip(state.v, prefix.v, strict=True)),
-    )
+    """Copy the one-slot ``prefix`` into slot ``slot`` (an ``i32`` scalar) of ``state``:
+    :func:`insert_rows` with one row (donate ``state``)."""
+    return insert_rows(prefix, state, jnp.reshape(slot, (1,)))
 
 
 def insert_rows(prefix: DecodeState, state: DecodeState, slots: Array) -> DecodeState:

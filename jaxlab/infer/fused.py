@@ -37,7 +37,7 @@ from flax import nnx
 from jaxlab.infer.core import NO_TOKEN, advance_rows, decode_loop
 from jaxlab.infer.sampling import sample
 from jaxlab.infer.state import DecodeState
-from jaxlab.model import MASK_VALUE, Transformer, apply_rope, rope_tables
+from jaxlab.model import MASK_VALUE, Transformer, apply_rope
 from jaxlab.model.layers import dense
 
 Array = jax.Array
@@ -130,14 +130,7 @@ def fused_forward(
     (in the model's layout) up to float summation order.
     """
     b = tokens.shape[0]
-    x = model.embed(tokens[:, None])  # f32 [B, 1, d]
-    if model.pos_embed is not None:
-        x = x + model.pos_embed(pos[:, None])
-    rope = (
-        rope_tables(pos[:, None], model.head_dim, model.rope_theta)
-        if model.positions_kind == "rope"
-        else None
-    )
+    x, rope = model.embed_inputs(tokens[:, None], pos[:, None])  # x: f32 [B, 1, d]
     new_k: list[Array] = []
     new_v: list[Array] = []
     for i, block in enumerate(model.blocks):
@@ -156,12 +149,7 @@ def fused_forward(
         out = attend_prefix(q[:, 0], kc, vc, pos).reshape(b, 1, h * d)
         x = x + dense(out, attn.w_out[...], attn.compute_dtype, jnp.float32)
         x = x + block.mlp(block.mlp_norm(x))
-    hidden = model.final_norm(x)
-    if model.lm_head is None:
-        logits = model.embed.attend(hidden, model.compute_dtype)
-    else:
-        logits = dense(hidden, model.lm_head[...], model.compute_dtype, jnp.float32)
-    return logits[:, 0], tuple(new_k), tuple(new_v)
+    return model.logits(model.final_norm(x))[:, 0], tuple(new_k), tuple(new_v)
 
 
 def decode_step(

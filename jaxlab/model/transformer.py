@@ -216,11 +216,29 @@ class Transformer(nnx.Module):
             cache_index=cache_index,
             dropout_key=dropout_key,
         )
+        return self.logits(h), new_cache
+
+    def logits(self, h: Array) -> Array:
+        """The LM head on final-normed features ``[..., d_model]`` -> f32 ``[..., vocab]``."""
         if self.lm_head is None:
-            logits = self.embed.attend(h, self.compute_dtype)
-        else:
-            logits = dense(h, self.lm_head[...], self.compute_dtype, jnp.float32)
-        return logits, new_cache
+            return self.embed.attend(h, self.compute_dtype)
+        return dense(h, self.lm_head[...], self.compute_dtype, jnp.float32)
+
+    def embed_inputs(
+        self, tokens: Array, positions: Array
+    ) -> tuple[Array, tuple[Array, Array] | None]:
+        """The first block's input ``x`` (token + learned position embeddings) and the RoPE
+        ``(sin, cos)`` tables for ``positions`` (None without RoPE), shared by every layer."""
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        # sin/cos depend only on positions: compute once, share across layers.
+        rope = (
+            rope_tables(positions, self.head_dim, self.rope_theta)
+            if self.positions_kind == "rope"
+            else None
+        )
+        return x, rope
 
     def head_kernel(self) -> tuple[Array, bool]:
         """``(kernel, vocab_major)`` of the LM head: the ``[V, d]`` embedding table when
@@ -252,16 +270,7 @@ class Transformer(nnx.Module):
                 f"{positions.shape})"
             )
         t = tokens.shape[1]
-
-        x = self.embed(tokens)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        # sin/cos depend only on positions: compute once, share across layers.
-        rope = (
-            rope_tables(positions, self.head_dim, self.rope_theta)
-            if self.positions_kind == "rope"
-            else None
-        )
+        x, rope = self.embed_inputs(tokens, positions)
 
         if kv_cache is None:
             if cache_index is not None:

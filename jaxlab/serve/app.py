@@ -299,8 +299,11 @@ class ServeApp:
     def _deadline_s(self) -> float:
         return self.cfg.request_timeout_s + 5.0
 
-    async def _run_to_end(self, request: Request, h: RequestHandle) -> Event:
-        """Wait for ``h``'s terminal event (non-streaming); cancel it if the client leaves."""
+    async def _complete(self, request: Request, req: GenRequest) -> RequestHandle | None:
+        """Run ``req`` to its end (non-streaming): the finished handle, or None when the
+        client left first (the request is cancelled). A failed request raises its API error.
+        """
+        h = self._submit(req, stream=False)
         watcher = asyncio.ensure_future(_until_disconnect(request.receive))
         try:
             t_end = time.perf_counter() + self._deadline_s()
@@ -309,23 +312,22 @@ class ServeApp:
                     ev = await _next_event(h, watcher, t_end - time.perf_counter())
                 except ClientGone:
                     request.scope[OUTCOME_KEY] = CLIENT_GONE
-                    raise
+                    return None
                 if ev.kind != "tokens":
-                    return ev
+                    break
         finally:
             watcher.cancel()
+        if ev.kind == "error":
+            assert ev.error is not None
+            raise _from_serve_error(ev.error)
+        return h
 
     async def generate(self, request: Request) -> Response:
         body = validate(GenerateBody, parse_json(await read_body(request, self.cfg.max_body_bytes)))
         req, seed = self._request(body.prompt, body)
-        h = self._submit(req, stream=False)
-        try:
-            ev = await self._run_to_end(request, h)
-        except ClientGone:
+        h = await self._complete(request, req)
+        if h is None:
             return Response(status_code=CLIENT_GONE)
-        if ev.kind == "error":
-            assert ev.error is not None
-            raise _from_serve_error(ev.error)
         eng = self.service.engine
         assert eng is not None
         return JSONResponse(
@@ -383,14 +385,9 @@ class ServeApp:
             }
 
         if not body.stream:
-            h = self._submit(req, stream=False)
-            try:
-                ev = await self._run_to_end(request, h)
-            except ClientGone:
+            h = await self._complete(request, req)
+            if h is None:
                 return Response(status_code=CLIENT_GONE)
-            if ev.kind == "error":
-                assert ev.error is not None
-                raise _from_serve_error(ev.error)
             doc = chunk(h.output_text, h.finish_reason)
             doc["usage"] = usage(h)
             return JSONResponse(doc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,22 +11,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, clean_env, run_cli
 from test_serve_api import RUN_STEPS, train_tiny
 
 
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The same session directory as test_serve_api's fixture: trained once per session.
     path = tmp_path_factory.getbasetemp() / "serve-run"
     if not (path / "checkpoints" / str(RUN_STEPS)).is_dir():
         train_tiny(path)
     return path
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXLAB_")}
-    env.update({"NO_COLOR": "1", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
-    return env
 
 
 def test_serve_help_never_imports_jax():
@@ -76,7 +70,7 @@ def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
         "0.25",  # 48 tokens take >= 1.5 s: the request is surely in flight at SIGTERM
         "--json",
     ]
-    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=_env(), cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=clean_env(), cwd=ROOT)
     try:
         t_end = time.monotonic() + 180
         while not port_file.exists():
