@@ -31,6 +31,9 @@ from jaxlab.config.schema import JaxlabConfig
 
 ENV_PREFIX = "JAXLAB_"
 ENV_DELIMITER = "__"
+#: ``JAXLAB_*`` variables that are process switches, not config fields (read elsewhere
+#: before any config exists): the env layer leaves them alone instead of rejecting them.
+PROCESS_ENV = frozenset({"JAXLAB_XLA_CPU_DEFAULTS"})
 DEFAULT_SOURCE = "default"
 
 
@@ -168,7 +171,11 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
 def _env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Parse JAXLAB_* variables with pydantic-settings; unknown sections are errors."""
     # Snapshot first: ``environ`` may be os.environ itself, which is swapped out below.
-    ours = {k: v for k, v in environ.items() if k.upper().startswith(ENV_PREFIX)}
+    ours = {
+        k: v
+        for k, v in environ.items()
+        if k.upper().startswith(ENV_PREFIX) and k.upper() not in PROCESS_ENV
+    }
     names = {k.upper(): k for k in ours}
     sections = list(JaxlabConfig.model_fields)
     issues = []

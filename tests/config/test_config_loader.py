@@ -141,6 +141,16 @@ def test_unknown_keys_are_errors_with_suggestions(tmp_path):
         load_config(None, ["train.optimizer.learning_rat=1"], environ={})
 
 
+def test_process_switches_are_not_config_fields():
+    """``JAXLAB_XLA_CPU_DEFAULTS=0`` (documented opt-out) must not break config loading."""
+    from jaxlab.config.loader import PROCESS_ENV
+    from jaxlab.runtime.platform import OPT_OUT_ENV
+
+    assert OPT_OUT_ENV in PROCESS_ENV
+    cfg = load_config(None, environ={OPT_OUT_ENV: "0", "JAXLAB_TRAIN__STEPS": "3"})
+    assert cfg.train.steps == 3
+
+
 def test_malformed_toml_reports_line_and_column(tmp_path):
     f = write(tmp_path, "bad.toml", "[model]\nd_model = 64\nn_heads = = 4\n")
     (issue,) = validate_file(f)
