@@ -155,7 +155,7 @@ def insert_rows(prefix: DecodeState, state: DecodeState, slots: Array) -> Decode
     ``B``. Slots must be distinct.
     """
     n = state.slots
-    n_kv = prefix.k[0].shape[0] // prefix.slots
+    n_kv = prefix.k[0][0].shape[0] // prefix.slots
     idx = jnp.where(slots >= 0, slots, n)  # n is out of range -> dropped
 
     def put(big: Array, rows: Array, at: Array) -> Array:
@@ -170,8 +170,8 @@ def insert_rows(prefix: DecodeState, state: DecodeState, slots: Array) -> Decode
     cache_idx = (idx[:, None] * n_kv + jnp.arange(n_kv, dtype=idx.dtype)[None, :]).reshape(-1)
     return dataclasses.replace(
         fields,
-        k=tuple(put(a, b, cache_idx) for a, b in zip(state.k, prefix.k, strict=True)),
-        v=tuple(put(a, b, cache_idx) for a, b in zip(state.v, prefix.v, strict=True)),
+        k=jax.tree.map(lambda a, b: put(a, b, cache_idx), state.k, prefix.k),
+        v=jax.tree.map(lambda a, b: put(a, b, cache_idx), state.v, prefix.v),
     )
 
 

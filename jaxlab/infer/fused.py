@@ -36,94 +36,103 @@ from flax import nnx
 
 from jaxlab.infer.core import NO_TOKEN, advance_rows, decode_loop
 from jaxlab.infer.sampling import sample
-from jaxlab.infer.state import DecodeState
+from jaxlab.infer.state import DecodeState, block_starts
 from jaxlab.model import MASK_VALUE, Transformer, apply_rope
 from jaxlab.model.layers import dense
 
 Array = jax.Array
 
 
-def write_rows(cache: Array, new: Array, pos: Array) -> Array:
-    """Write ``new [B, K, D]`` into ``cache [B*K, S, D]`` at slot ``pos[b]`` of rows ``b*K+j``.
+def write_rows(blocks: tuple[Array, ...], new: Array, pos: Array) -> tuple[Array, ...]:
+    """Write ``new [B, K, D]`` at cache slot ``pos[b]`` of rows ``b*K+j`` of a blocked cache.
 
-    One scatter with unique, sorted, in-bounds indices (the caller clamps ``pos``), which
-    XLA performs in place on the donated buffer.
+    One scatter per block; a row whose slot lies in another block gets an out-of-range
+    index there, which ``mode="drop"`` skips. Indices are unique and sorted, so XLA writes
+    in place on the donated buffers. The caller clamps ``pos`` into the cache.
     """
     b, kv, d = new.shape
     rows = jnp.arange(b * kv)
     cols = jnp.repeat(pos, kv)
-    return cache.at[rows, cols].set(
-        new.reshape(b * kv, d).astype(cache.dtype),
-        unique_indices=True,
-        indices_are_sorted=True,
-        mode="promise_in_bounds",
-    )
+    vals = new.reshape(b * kv, d)
+    out = []
+    for at, blk in zip(block_starts(tuple(x.shape[1] for x in blocks)), blocks, strict=True):
+        n = blk.shape[1]
+        local = jnp.where((cols >= at) & (cols < at + n), cols - at, n)
+        out.append(
+            blk.at[rows, local].set(
+                vals.astype(blk.dtype), unique_indices=True, indices_are_sorted=True, mode="drop"
+            )
+        )
+    return tuple(out)
 
 
-def attend_one(q: Array, k: Array, v: Array, visible: Array) -> Array:
-    """``q [B,H,D]`` over the engine cache ``k, v [B*K,S,D]``; ``visible [B,S]`` -> ``[B,H,D]``.
+def attend_one(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], visible: Array) -> Array:
+    """``q [B,H,D]`` over cache blocks ``k, v [B*K, block, D]``; ``visible [B, sum(block)]``.
 
-    Same precision policy as :func:`jaxlab.model.attend`: K/V cast to ``q.dtype``, f32
-    logits and softmax, probabilities cast to the value dtype for the second matmul.
-    Query head ``h`` uses kv head ``h // G`` (the model's grouping).
+    Returns ``[B,H,D]``. Same precision policy as :func:`jaxlab.model.attend`: K/V cast to
+    ``q.dtype``, f32 logits and softmax, probabilities cast to the value dtype for the
+    second matmul. Query head ``h`` uses kv head ``h // G`` (the model's grouping). Each
+    block is its own dot (read in place); the logits are joined for one softmax.
     """
     b, h, d = q.shape
-    n = k.shape[0]
+    n = k[0].shape[0]
     g = h * b // n
-    k = k.astype(q.dtype)
-    v = v.astype(q.dtype)
     qg = q.reshape(n, g, d)
-    logits = jnp.einsum("ngd,nsd->ngs", qg, k, preferred_element_type=jnp.float32)
+    parts = [
+        jnp.einsum("ngd,nsd->ngs", qg, kb.astype(q.dtype), preferred_element_type=jnp.float32)
+        for kb in k
+    ]
+    logits = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     logits = logits * (1.0 / math.sqrt(d))
     mask = jnp.repeat(visible, n // b, axis=0)[:, None, :]  # [B*K, 1, S]
     logits = jnp.where(mask, logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("ngs,nsd->ngd", probs, v).reshape(b, h, d)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = None
+    at = 0
+    for vb in v:
+        p = probs[..., at : at + vb.shape[1]].astype(q.dtype)
+        at += vb.shape[1]
+        o = jnp.einsum("ngs,nsd->ngd", p, vb.astype(q.dtype))
+        out = o if out is None else out + o
+    assert out is not None
+    return out.reshape(b, h, d)
 
 
-def attention_windows(max_len: int, n: int = 3, smallest: int = 32) -> tuple[int, ...]:
-    """Cache prefixes the decode attention may read: ``max_len, max_len/2, ...`` (at most
-    ``n``, none below ``smallest``)."""
-    out = [max_len]
-    while len(out) < n and out[-1] % 2 == 0 and out[-1] // 2 >= smallest:
-        out.append(out[-1] // 2)
-    return tuple(sorted(out))
+def attend_prefix(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], pos: Array) -> Array:
+    """:func:`attend_one` over only the cache blocks that some row can see.
 
-
-def attend_prefix(q: Array, k: Array, v: Array, pos: Array) -> Array:
-    """:func:`attend_one` over only the cache prefix that any row can see.
-
-    At batch 8 on bench-small the K/V cache is 16 MB against 25 MB of weights, and every
+    At batch 16 on bench-small the K/V cache (33.5 MB) is as large as the weights, and the
     step is memory bound; a row at position ``p`` only sees slots ``<= p``. So the step
-    reads the smallest window of :func:`attention_windows` holding ``max(pos) + 1`` slots
-    (a ``lax.switch`` over static slices). Slots past ``pos`` are masked out in every
-    window, so the result equals attending over the whole cache.
+    reads the first ``c`` blocks, the fewest that hold ``max(pos) + 1`` slots (a
+    ``lax.switch`` over ``c``); the blocks are separate buffers, so nothing is copied to
+    read fewer of them. Slots past ``pos`` are masked in every branch, so the result
+    equals attending over the whole cache.
     """
-    max_len = k.shape[1]
-    windows = attention_windows(max_len)
-    slots = jnp.arange(max_len)[None, :]
+    sizes = tuple(x.shape[1] for x in k)
+    ends = [at + n for at, n in zip(block_starts(sizes), sizes, strict=True)]
+    slots = jnp.arange(ends[-1])[None, :]
 
-    def window(w: int) -> Callable[[Array, Array, Array, Array], Array]:
-        def attend_w(q: Array, k: Array, v: Array, pos: Array) -> Array:
-            visible = slots[:, :w] <= pos[:, None]
-            return attend_one(q, k[:, :w], v[:, :w], visible)
+    def first(c: int) -> Callable[[Array, tuple[Array, ...], tuple[Array, ...], Array], Array]:
+        def attend_c(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], pos: Array) -> Array:
+            visible = slots[:, : ends[c - 1]] <= pos[:, None]
+            return attend_one(q, k[:c], v[:c], visible)
 
-        return attend_w
+        return attend_c
 
-    if len(windows) == 1:
-        return window(max_len)(q, k, v, pos)
+    if len(sizes) == 1:
+        return first(1)(q, k, v, pos)
     need = jnp.max(pos) + 1
-    index = jnp.sum(jnp.asarray(windows[:-1]) < need)
-    return jax.lax.switch(index, [window(w) for w in windows], q, k, v, pos)
+    index = jnp.sum(jnp.asarray(ends[:-1]) < need)
+    return jax.lax.switch(index, [first(c) for c in range(1, len(sizes) + 1)], q, k, v, pos)
 
 
 def fused_forward(
     model: Transformer,
     tokens: Array,
     pos: Array,
-    k_cache: tuple[Array, ...],
-    v_cache: tuple[Array, ...],
-) -> tuple[Array, tuple[Array, ...], tuple[Array, ...]]:
+    k_cache: tuple[tuple[Array, ...], ...],
+    v_cache: tuple[tuple[Array, ...], ...],
+) -> tuple[Array, tuple[tuple[Array, ...], ...], tuple[tuple[Array, ...], ...]]:
     """Logits ``f32[B, V]`` of one new token per row at ``pos``, and the updated caches.
 
     Equal to ``model(tokens[:, None], pos[:, None], kv_cache=..., cache_index=pos)``
@@ -131,8 +140,8 @@ def fused_forward(
     """
     b = tokens.shape[0]
     x, rope = model.embed_inputs(tokens[:, None], pos[:, None])  # x: f32 [B, 1, d]
-    new_k: list[Array] = []
-    new_v: list[Array] = []
+    new_k: list[tuple[Array, ...]] = []
+    new_v: list[tuple[Array, ...]] = []
     for i, block in enumerate(model.blocks):
         attn = block.attn
         h, kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim

@@ -4,10 +4,13 @@ A :class:`DecodeState` with ``B`` rows ("slots") is what the jitted decode loop 
 (and donates) from call to call. A :data:`Prefix` is the same structure with one slot: what
 ``prefill`` returns for one prompt and ``insert`` copies into a slot of a batched state.
 
-Cache layout (the engine's, not the model's): per layer ``k[i], v[i]`` are
-``[slots * n_kv_heads, max_len, head_dim]``, *kv-head major*: row ``b * K + j`` holds kv
-head ``j`` of slot ``b``, slot ``s`` along axis 1 holds the (RoPE-rotated) key/value of the
-token at position ``s``. The model's own layout is ``[B, max_len, K, D]``
+Cache layout (the engine's, not the model's): per layer ``k[i], v[i]`` are tuples of
+**blocks** ``[slots * n_kv_heads, block, head_dim]`` that together cover ``max_len`` cache
+slots (:func:`cache_blocks`), *kv-head major*: row ``b * K + j`` holds kv head ``j`` of slot
+``b``; cache slot ``s`` (block ``s // block``, offset ``s % block``) holds the
+(RoPE-rotated) key/value of the token at position ``s``. Separate buffers per block let
+the decode step read only the blocks some row can see without slicing (a slice of the
+slot axis is a copy on XLA:CPU). The model's own layout is ``[B, max_len, K, D]``
 (:class:`jaxlab.model.KVCache`); prefill converts once (:func:`from_model_cache`). Why this
 layout is the fast one on XLA:CPU is in ``docs/inference.md``.
 
@@ -38,8 +41,8 @@ Array = jax.Array
 
 @struct.dataclass
 class DecodeState:
-    k: tuple[Array, ...]  # per layer [slots * K, max_len, D]
-    v: tuple[Array, ...]
+    k: tuple[tuple[Array, ...], ...]  # per layer, per block [slots * K, block, D]
+    v: tuple[tuple[Array, ...], ...]
     tokens: Array  # i32[slots]
     pos: Array  # i32[slots]
     generated: Array  # i32[slots]
@@ -52,7 +55,7 @@ class DecodeState:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return sum(b.shape[1] for b in self.k[0])
 
 
 #: A one-slot :class:`DecodeState` (prefill's output for one prompt).
@@ -75,12 +78,51 @@ class NaiveState:
     sampling: SamplingArrays
 
 
-def from_model_cache(cache: KVCache) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
-    """The model's ``[B, S, K, D]`` layers -> the engine's ``[B * K, S, D]`` (one transpose)."""
+#: Caches at least this long are split into :data:`N_BLOCKS` blocks; shorter ones are one.
+MIN_BLOCKED_LEN = 64
+N_BLOCKS = 4
 
-    def f(a: Array) -> Array:
+
+def cache_blocks(max_len: int) -> tuple[int, ...]:
+    """Block sizes of a ``max_len`` cache: :data:`N_BLOCKS` near-equal blocks (multiples of 8
+    but the last), or one block under :data:`MIN_BLOCKED_LEN` slots.
+
+    Four blocks is the measured trade-off on XLA:CPU: each block is one more small dot per
+    layer at batch 1, while at batch 16 reading a quarter of the cache less is worth ~0.4 ms
+    a step on bench-small (``docs/inference.md``).
+    """
+    if max_len < MIN_BLOCKED_LEN:
+        return (max_len,)
+    size = -(-max_len // N_BLOCKS)
+    size = -(-size // 8) * 8
+    sizes = []
+    left = max_len
+    while left > 0:
+        sizes.append(min(size, left))
+        left -= size
+    return tuple(sizes)
+
+
+def block_starts(blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """First cache slot of each block."""
+    out, at = [], 0
+    for n in blocks:
+        out.append(at)
+        at += n
+    return tuple(out)
+
+
+def from_model_cache(
+    cache: KVCache,
+) -> tuple[tuple[tuple[Array, ...], ...], tuple[tuple[Array, ...], ...]]:
+    """The model's ``[B, S, K, D]`` layers -> the engine's blocks of ``[B * K, block, D]``
+    (one transpose, then static slices)."""
+
+    def f(a: Array) -> tuple[Array, ...]:
         b, s, k, d = a.shape
-        return jnp.transpose(a, (0, 2, 1, 3)).reshape(b * k, s, d)
+        rows = jnp.transpose(a, (0, 2, 1, 3)).reshape(b * k, s, d)
+        sizes = cache_blocks(s)
+        return tuple(rows[:, at : at + n] for at, n in zip(block_starts(sizes), sizes, strict=True))
 
     return tuple(f(a) for a in cache.k), tuple(f(a) for a in cache.v)
 
@@ -89,7 +131,8 @@ def to_model_cache(state: DecodeState) -> KVCache:
     """The engine's cache back in the model's layout (tests, inspection)."""
     b = state.slots
 
-    def f(a: Array) -> Array:
+    def f(blocks: tuple[Array, ...]) -> Array:
+        a = jnp.concatenate(blocks, axis=1)
         n, s, d = a.shape
         return jnp.transpose(a.reshape(b, n // b, s, d), (0, 2, 1, 3))
 
@@ -105,11 +148,15 @@ def empty_decode_state(
     slots: int, n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: DTypeLike
 ) -> DecodeState:
     """All slots empty (done) over a zeroed cache."""
-    shape = (slots * n_kv_heads, max_len, head_dim)
+    sizes = cache_blocks(max_len)
+
+    def layer() -> tuple[Array, ...]:
+        return tuple(_zeros((slots * n_kv_heads, n, head_dim), dtype) for n in sizes)
+
     # Distinct buffers everywhere: the state is donated, and a buffer may be donated once.
     return DecodeState(
-        k=tuple(_zeros(shape, dtype) for _ in range(n_layers)),
-        v=tuple(_zeros(shape, dtype) for _ in range(n_layers)),
+        k=tuple(layer() for _ in range(n_layers)),
+        v=tuple(layer() for _ in range(n_layers)),
         tokens=_zeros((slots,), np.int32),
         pos=_zeros((slots,), np.int32),
         generated=_zeros((slots,), np.int32),
