@@ -10,7 +10,11 @@ index, never on the batch it shares or its slot, so a request's output is the sa
 and inside any batch.
 
 Order of operations for a sampled row: ``logits / temperature`` -> top-k -> top-p (on the
-top-k-renormalised distribution, as Hugging Face does) -> ``categorical`` (Gumbel-max).
+top-k-renormalised distribution, as Hugging Face does) -> an inverse-CDF draw: with
+``u = uniform(key)`` (one f32 in ``[0, 1)``), the token is the first index, in vocabulary
+order, whose cumulative probability exceeds ``u`` (:func:`inverse_cdf`). That is an exact
+draw from the same categorical distribution as Gumbel-max, but it needs one random number
+per row instead of one per vocabulary entry: 0.34 vs 1.08 ms for ``[16, 8192]`` here.
 Rows with ``temperature == 0`` take ``argmax`` of the raw logits. When every row is greedy
 a ``lax.cond`` skips the filters and the random draws entirely; when no row filters, a
 second one skips the top-k/top-p mask (a sort-free radix select, see
@@ -202,6 +206,37 @@ def argmax(logits: Array) -> Array:
     return jnp.min(jnp.where(logits == top, idx, v), axis=-1).astype(jnp.int32)
 
 
+#: Vocabulary block of the two-level inverse-CDF search (``V / BLOCK`` blocks, then one).
+CDF_BLOCK = 128
+
+
+def inverse_cdf(logits: Array, u: Array) -> Array:
+    """Per row, the first token whose cumulative ``softmax(logits)`` mass exceeds ``u``.
+
+    ``logits: f32[B, V]`` (``-inf`` = never drawn), ``u: f32[B]`` in ``[0, 1)``. Two
+    levels so that no cumulative sum runs over the whole vocabulary: sums of blocks of
+    :data:`CDF_BLOCK` tokens pick the block, then a cumulative sum inside it picks the
+    token. Unnormalised weights ``exp(logits - max)`` are compared with ``u * total``.
+    Float rounding can leave the target at or past the last cumulative sum; the clamps to
+    the last block / token with non-zero weight keep a ``-inf`` token from ever being drawn.
+    """
+    b, v = logits.shape
+    nb = -(-v // CDF_BLOCK)
+    w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    w = jnp.pad(w, ((0, 0), (0, nb * CDF_BLOCK - v))).reshape(b, nb, CDF_BLOCK)
+    block_mass = jnp.sum(w, axis=-1)  # [B, nb]
+    upto = jnp.cumsum(block_mass, axis=-1)  # mass of blocks 0..j
+    target = u * upto[:, -1]
+    last_block = jnp.max(jnp.where(block_mass > 0, jnp.arange(nb), 0), axis=-1)
+    blk = jnp.minimum(jnp.sum(upto <= target[:, None], axis=-1), last_block)
+    wb = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]  # [B, CDF_BLOCK]
+    before = jnp.take_along_axis(upto - block_mass, blk[:, None], axis=1)
+    inside = before + jnp.cumsum(wb, axis=-1)
+    last_tok = jnp.max(jnp.where(wb > 0, jnp.arange(CDF_BLOCK), 0), axis=-1)
+    tok = jnp.minimum(jnp.sum(inside <= target[:, None], axis=-1), last_tok)
+    return (blk * CDF_BLOCK + tok).astype(jnp.int32)
+
+
 def sample(logits: Array, sp: SamplingArrays, t: Array) -> Array:
     """Next token per row: ``int32[B]`` from ``logits: f32[B, V]`` and ``t: int32[B]``."""
     logits = logits.astype(jnp.float32)
@@ -218,10 +253,8 @@ def sample(logits: Array, sp: SamplingArrays, t: Array) -> Array:
         # The sort behind top-k/top-p only runs when some row asks for it.
         wants_filter = jnp.any(sp.top_k > 0) | jnp.any(sp.top_p < 1.0)
         masked = jax.lax.cond(wants_filter, filtered, lambda: scaled)
-        # Gumbel-max, i.e. jax.random.categorical(key, masked) per row, with the fast argmax.
-        keys = row_keys(sp.seed, t)
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, masked.shape[-1:]))(keys)
-        drawn = argmax(noise + masked)
+        u = jax.vmap(lambda key: jax.random.uniform(key, ()))(row_keys(sp.seed, t))
+        drawn = inverse_cdf(masked, u)
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.all(sp.temperature <= 0), lambda: greedy, stochastic)

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from jaxlab.infer import SamplingParams, sample, sampling_arrays, top_k_top_p_mask
-from jaxlab.infer.sampling import argmax, row_keys
+from jaxlab.infer.sampling import argmax, inverse_cdf, row_keys
 
 B, V = 4, 64
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
@@ -126,14 +126,63 @@ def test_sample_is_per_row_and_reproducible():
     assert stream(3) != stream(99)
 
 
-def test_sampled_token_is_categorical_with_key_fold_in_seed_t():
-    """Row b's t-th token: ``categorical(fold_in(PRNGKey(seed), t), logits / T)``."""
+def reference_inverse_cdf(logits: np.ndarray, u: float) -> int:
+    """float64: the first index whose cumulative softmax mass exceeds ``u``."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max())
+    return int(np.searchsorted(np.cumsum(p / p.sum()), u, side="right"))
+
+
+def test_sampled_token_is_inverse_cdf_with_key_fold_in_seed_t():
+    """Row b's t-th token: inverse CDF of ``softmax(logits / T)`` at
+    ``u = uniform(fold_in(PRNGKey(seed), t))``."""
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(B, V)).astype(np.float32) * 3
     params = [SamplingParams(temperature=0.5 + b, seed=11 * b + 1) for b in range(B)]
-    ts = [0, 3, 7, 100]
-    got = draw(logits, params, ts)
-    for b in range(B):
-        key = jax.random.fold_in(jax.random.PRNGKey(params[b].seed), ts[b])
-        want = jax.random.categorical(key, jnp.asarray(logits[b]) / params[b].temperature)
-        assert got[b] == int(want)
+    for ts in ([0, 3, 7, 100], [1, 2, 3, 4], [50, 0, 9, 31]):
+        got = draw(logits, params, ts)
+        for b in range(B):
+            key = jax.random.fold_in(jax.random.PRNGKey(params[b].seed), ts[b])
+            u = float(jax.random.uniform(key, ()))
+            assert got[b] == reference_inverse_cdf(logits[b] / params[b].temperature, u)
+
+
+@functools.cache
+def jitted_inverse_cdf():
+    return jax.jit(inverse_cdf)
+
+
+@pytest.mark.parametrize("v", [5, 128, 300, 8192])
+def test_inverse_cdf_on_a_uniform_grid_reproduces_the_distribution(v: int):
+    """Stratified ``u = (i + 1/2) / N``: token ``j`` must be drawn ``N * p_j`` times, give
+    or take one per boundary: an exact check of the distribution, no statistics. Several
+    vocabulary sizes cover one block, whole blocks and a padded last block."""
+    n = 4096
+    rng = np.random.default_rng(v)
+    row = (rng.normal(size=v) * 2).astype(np.float32)
+    row[rng.random(v) < 0.3] = -np.inf  # masked tokens (top-k/top-p): never drawn
+    row[0] = 0.0
+    u = (np.arange(n, dtype=np.float64) + 0.5) / n
+    got = np.asarray(
+        jitted_inverse_cdf()(jnp.asarray(np.tile(row, (n, 1))), jnp.asarray(u, jnp.float32))
+    )
+    p = np.exp(row.astype(np.float64) - row.max())
+    p /= p.sum()
+    counts = np.bincount(got, minlength=v)
+    assert counts[~np.isfinite(row)].sum() == 0
+    assert np.all(np.abs(counts - n * p) <= 2.0)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    v=st.sampled_from([3, 127, 129, 1000]),
+    u=st.sampled_from([0.0, 0.5, 1.0 - 2.0**-24, 1.0 - 2.0**-23]),
+)
+def test_inverse_cdf_never_draws_a_masked_token(seed: int, v: int, u: float):
+    rng = np.random.default_rng(seed)
+    row = (rng.normal(size=v) * 10).astype(np.float32)
+    row[rng.random(v) < 0.8] = -np.inf
+    row[rng.integers(v)] = 1.0  # at least one token drawable
+    got = int(jitted_inverse_cdf()(jnp.asarray(row[None]), jnp.asarray([u], jnp.float32))[0])
+    assert np.isfinite(row[got])
