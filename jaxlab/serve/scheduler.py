@@ -8,7 +8,15 @@ The scheduler owns a batched :class:`~jaxlab.infer.state.DecodeState` of ``slots
            (groups of ``prefill_batch`` waiting requests: one ragged prefill, one
            ``insert_rows`` scatter; the rest one at a time)
     one generate_chunk(k) over every slot      (one jitted while_loop, <= k tokens each)
-    route each slot's new tokens to its request; free the finished slots
+    route the *previous* chunk's tokens to their requests; free the finished slots
+
+Decoding is pipelined one chunk deep: chunk ``i + 1`` is dispatched (asynchronously)
+before the host reads and routes chunk ``i``, so the device never waits for the host's
+per-token work (text assembly, events, HTTP). Each in-flight chunk carries the slot ->
+request map of its dispatch time; a request that finished meanwhile (stop string,
+cancel) ignores the tokens computed for it after that. A row inserted after a dispatch
+joins the next chunk. With ``chunk_delay_s`` (tests) a chunk is routed as soon as it is
+done instead, as the loop is not dispatching.
 
 Requests come from the asyncio side through :meth:`Scheduler.submit` (thread-safe); the
 scheduler answers through per-request queues: an ``asyncio.Queue`` fed with
@@ -256,6 +264,8 @@ class Scheduler:
         self._state: Any = None
         self._empty: Any = None
         self._next_chunk_at = 0.0
+        #: The dispatched, not yet routed chunk: (tokens, done, slot owners at dispatch).
+        self._inflight: tuple[Any, Any, list[RequestHandle | None]] | None = None
         self.compiles_after_warmup: dict[str, int] | None = None
         self.warmup_s: float | None = None
 
@@ -410,6 +420,8 @@ class Scheduler:
             self._admit_all(admit)
             if self.num_running and time.perf_counter() >= self._next_chunk_at:
                 self._decode_chunk()
+            elif self._inflight is not None:
+                self._route_inflight()
             elif not admit and not dropped:
                 self._update_gauges()
                 with self._cv:
@@ -524,27 +536,48 @@ class Scheduler:
             self._route(h, [int(first[i])], bool(done[i]))
 
     def _decode_chunk(self) -> None:
-        import jax
-
+        """Dispatch the next chunk, then route the one before it (see the module docstring)."""
+        owners = list(self._running)
         try:
             self._state, toks, done = self.engine.generate_chunk(self._state, self.chunk_tokens)
-            toks, done = jax.device_get((toks, done))
         except Exception as e:
-            log.exception("decode failed; failing the running requests")
-            err = ServeError(500, f"decode failed: {e}", code="internal_error")
-            for h in list(self._running):
-                if h is not None:
-                    self._finish(h, error=err)
-            self._running = [None] * self.slots
-            self._reset_state()
+            self._decode_failed(e)
             return
         self.chunks += 1
         self._next_chunk_at = time.perf_counter() + self.chunk_delay_s
-        for slot, h in enumerate(self._running):
-            if h is None:
+        previous, self._inflight = self._inflight, (toks, done, owners)
+        if previous is not None:
+            self._route_chunk(previous)
+
+    def _route_inflight(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self._route_chunk(inflight)
+
+    def _route_chunk(self, chunk: tuple[Any, Any, list[RequestHandle | None]]) -> None:
+        import jax
+
+        toks, done, owners = chunk
+        try:
+            toks, done = jax.device_get((toks, done))
+        except Exception as e:
+            self._decode_failed(e)
+            return
+        for slot, h in enumerate(owners):
+            if h is None or h.finished or h.slot != slot:
                 continue
             new = [int(t) for t in toks[:, slot] if t >= 0]
             self._route(h, new, bool(done[slot]))
+
+    def _decode_failed(self, e: Exception) -> None:
+        log.error("decode failed; failing the running requests", exc_info=e)
+        err = ServeError(500, f"decode failed: {e}", code="internal_error")
+        for h in list(self._running):
+            if h is not None:
+                self._finish(h, error=err)
+        self._running = [None] * self.slots
+        self._inflight = None
+        self._reset_state()
 
     def _route(self, h: RequestHandle, tokens: Sequence[int], device_done: bool) -> None:
         """Hand ``tokens`` (this round's, for ``h``) to the request; finish it if done."""
@@ -607,6 +640,7 @@ class Scheduler:
             h._push(Event("error", error=ServeError(499, "cancelled", code="cancelled")))
 
     def _reset_state(self) -> None:
+        self._inflight = None
         self._state = self.engine.init_decode_state(self.slots)
 
     def _update_gauges(self) -> None:
@@ -624,6 +658,7 @@ class Scheduler:
             pending = [*self._waiting, *(h for h in self._running if h is not None)]
             self._waiting.clear()
         self._running = [None] * self.slots
+        self._inflight = None
         for h in pending:
             self._finish(h, error=err)
         self._update_gauges()
