@@ -27,7 +27,9 @@ attention wiring is restated here; ``tests/infer`` checks it against ``model.app
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 from collections.abc import Callable
 
 import jax
@@ -86,16 +88,13 @@ def attend_one(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], visible: Ar
     logits = logits * (1.0 / math.sqrt(d))
     mask = jnp.repeat(visible, n // b, axis=0)[:, None, :]  # [B*K, 1, S]
     logits = jnp.where(mask, logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = None
-    at = 0
-    for vb in v:
-        p = probs[..., at : at + vb.shape[1]].astype(q.dtype)
-        at += vb.shape[1]
-        o = jnp.einsum("ngs,nsd->ngd", p, vb.astype(q.dtype))
-        out = o if out is None else out + o
-    assert out is not None
-    return out.reshape(b, h, d)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    cuts = list(itertools.accumulate(vb.shape[1] for vb in v[:-1]))
+    outs = [
+        jnp.einsum("ngs,nsd->ngd", p, vb.astype(q.dtype))
+        for p, vb in zip(jnp.split(probs, cuts, axis=-1), v, strict=True)
+    ]
+    return functools.reduce(operator.add, outs).reshape(b, h, d)
 
 
 def attend_prefix(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], pos: Array) -> Array:
@@ -109,7 +108,7 @@ def attend_prefix(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], pos: Arr
     equals attending over the whole cache.
     """
     sizes = tuple(x.shape[1] for x in k)
-    ends = [at + n for at, n in zip(block_starts(sizes), sizes, strict=True)]
+    ends = list(itertools.accumulate(sizes))
     slots = jnp.arange(ends[-1])[None, :]
 
     def first(c: int) -> Callable[[Array, tuple[Array, ...], tuple[Array, ...], Array], Array]:

@@ -27,6 +27,8 @@ Per row ``b``:
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,21 +97,19 @@ def cache_blocks(max_len: int) -> tuple[int, ...]:
         return (max_len,)
     size = -(-max_len // N_BLOCKS)
     size = -(-size // 8) * 8
-    sizes = []
-    left = max_len
-    while left > 0:
-        sizes.append(min(size, left))
-        left -= size
-    return tuple(sizes)
+    full, rest = divmod(max_len, size)
+    return (size,) * full + ((rest,) if rest else ())
 
 
 def block_starts(blocks: tuple[int, ...]) -> tuple[int, ...]:
     """First cache slot of each block."""
-    out, at = [], 0
-    for n in blocks:
-        out.append(at)
-        at += n
-    return tuple(out)
+    return tuple(itertools.accumulate(blocks[:-1], initial=0))
+
+
+def split_blocks(rows: Array) -> tuple[Array, ...]:
+    """``[N, max_len, D]`` -> its :func:`cache_blocks` along axis 1 (static slices)."""
+    sizes = cache_blocks(rows.shape[1])
+    return tuple(rows[:, at : at + n] for at, n in zip(block_starts(sizes), sizes, strict=True))
 
 
 def from_model_cache(
@@ -120,9 +120,7 @@ def from_model_cache(
 
     def f(a: Array) -> tuple[Array, ...]:
         b, s, k, d = a.shape
-        rows = jnp.transpose(a, (0, 2, 1, 3)).reshape(b * k, s, d)
-        sizes = cache_blocks(s)
-        return tuple(rows[:, at : at + n] for at, n in zip(block_starts(sizes), sizes, strict=True))
+        return split_blocks(jnp.transpose(a, (0, 2, 1, 3)).reshape(b * k, s, d))
 
     return tuple(f(a) for a in cache.k), tuple(f(a) for a in cache.v)
 

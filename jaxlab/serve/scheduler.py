@@ -576,8 +576,7 @@ class Scheduler:
             if h is not None:
                 self._finish(h, error=err)
         self._running = [None] * self.slots
-        self._inflight = None
-        self._reset_state()
+        self._reset_state()  # drops the in-flight chunk too
 
     def _route(self, h: RequestHandle, tokens: Sequence[int], device_done: bool) -> None:
         """Hand ``tokens`` (this round's, for ``h``) to the request; finish it if done."""

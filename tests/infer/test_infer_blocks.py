@@ -17,7 +17,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxlab.infer.fused import attend_prefix, write_rows
-from jaxlab.infer.state import MIN_BLOCKED_LEN, N_BLOCKS, block_starts, cache_blocks
+from jaxlab.infer.state import (
+    MIN_BLOCKED_LEN,
+    N_BLOCKS,
+    block_starts,
+    cache_blocks,
+    split_blocks,
+)
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 B, H, K, D, S = 3, 4, 2, 8, 256  # GQA: 2 query heads per kv head
@@ -62,13 +68,6 @@ def blocked_step():
     return jax.jit(step)
 
 
-def split(a: np.ndarray) -> tuple[jax.Array, ...]:
-    sizes = cache_blocks(a.shape[1])
-    return tuple(
-        jnp.asarray(a[:, at : at + n]) for at, n in zip(block_starts(sizes), sizes, strict=True)
-    )
-
-
 #: Positions at and around every block edge: where the number of blocks read changes.
 EDGES = sorted({e + d for e in block_starts(cache_blocks(S)) for d in (-1, 0, 1)} & set(range(S)))
 POSITION = st.one_of(st.integers(0, S - 1), st.sampled_from([*EDGES, S - 1]))
@@ -98,7 +97,9 @@ def check_against_dense(pos: list[int], seed: int) -> None:
     new_v = rng.standard_normal((B, K, D), dtype=np.float32)
     p = np.asarray(pos, np.int32)
 
-    got, kb, vb = blocked_step()(q, split(k), split(v), new_k, new_v, jnp.asarray(p))
+    got, kb, vb = blocked_step()(
+        q, split_blocks(jnp.asarray(k)), split_blocks(jnp.asarray(v)), new_k, new_v, jnp.asarray(p)
+    )
 
     k_ref, v_ref = k.copy(), v.copy()
     for b in range(B):
