@@ -236,7 +236,10 @@ class ServeConfig(Section):
     prefill_batch: int = Field(
         default=8,
         ge=1,
-        description="Waiting requests prefilled together as one batch (1 = one at a time).",
+        description=(
+            "Largest group of waiting requests prefilled together as one batch; smaller"
+            " groups use the powers of two below it (1 = one at a time)."
+        ),
     )
     max_queue: int = Field(
         default=64, ge=1, description="Waiting requests before 503 + Retry-After."

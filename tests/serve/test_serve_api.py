@@ -700,12 +700,52 @@ def test_requests_admitted_together_share_one_prefill_and_equal_offline(
     assert engine.compiles == s.compiles_after_warmup
 
 
+def test_three_admitted_together_go_as_a_pair_and_a_single(server, engine, run_dir, cfg):
+    """Admission groups are power-of-two sizes: 3 waiting requests (4 free slots) are one
+    2-row prefill (the two shortest) and one single, with outputs equal to offline."""
+    from jaxlab.infer.engine import Engine, Request
+    from jaxlab.infer.sampling import SamplingParams
+    from jaxlab.serve.scheduler import GenRequest
+
+    s = sched(server)
+    assert s.admission_sizes == (4, 2, 1)
+    wait_until(lambda: s.idle)
+    reqs = [
+        ([21] * 30, SamplingParams(max_new_tokens=6, ignore_eos=True)),
+        ([22] * 5, SamplingParams(max_new_tokens=8, temperature=0.7, seed=9, ignore_eos=True)),
+        ([23] * 9, SamplingParams(max_new_tokens=4, ignore_eos=True)),
+    ]
+    reference = Engine.from_run_dir(run_dir, cfg=cfg)
+    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in reqs]
+    calls: list[list[int]] = []
+    prefill_batch = engine.prefill_batch
+
+    def counting(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append([len(p) for p in prompts])
+        return prefill_batch(prompts, *args, **kwargs)
+
+    s.pause_admission()
+    engine.prefill_batch = counting
+    try:
+        handles = [s.submit(GenRequest(list(ids), sp)) for ids, sp in reqs]
+        s.resume_admission()
+        for h in handles:
+            while h.get(timeout=60).kind == "tokens":
+                pass
+    finally:
+        del engine.prefill_batch
+        s.resume_admission()
+    assert [h.token_ids for h in handles] == expected
+    assert calls == [[5, 9], [30]]
+    assert engine.compiles == s.compiles_after_warmup
+
+
 def test_zz_nothing_compiled_while_serving(server, engine):
     """Runs last in the module: all the traffic above compiled nothing new."""
     warm = sched(server).compiles_after_warmup
     assert warm is not None
-    # One prefill per bucket for single requests and one per bucket for batches of
-    # serve.prefill_batch (= the 4 slots here).
-    assert warm["prefill"] == 2 * len(engine.buckets) == 4
-    assert warm["insert"] == 1 and warm["insert_rows"] == 1 and warm["decode"] == 1
+    # One prefill per (bucket, admission group size): groups of 1, 2 and 4 (serve.prefill_batch
+    # = the 4 slots here); insert_rows once per group size above 1.
+    assert warm["prefill"] == 3 * len(engine.buckets) == 6
+    assert warm["insert"] == 1 and warm["insert_rows"] == 2 and warm["decode"] == 1
     assert engine.compiles == warm

@@ -121,5 +121,5 @@ def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
     assert "SIGTERM: drained" in stderr
     doc = json.loads((tmp_path / "stdout").read_text())
     assert doc["port"] == port and doc["url"] == url and doc["checkpoint_step"] == RUN_STEPS
-    # One bucket, prefilled alone and in batches of serve.prefill_batch (= the 4 slots).
-    assert doc["compiles"]["prefill"] == 2 and doc["compiles"]["decode"] == 1
+    # One bucket, prefilled in admission groups of 1, 2 and 4 (serve.prefill_batch = 4 slots).
+    assert doc["compiles"]["prefill"] == 3 and doc["compiles"]["decode"] == 1

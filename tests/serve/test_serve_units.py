@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxlab.config import ConfigError
 from jaxlab.serve.lifecycle import TRANSITIONS, IllegalTransition, Lifecycle, ModelState
 from jaxlab.serve.metrics import ServeMetrics
 from jaxlab.serve.protocol import ApiError, CompletionBody, GenerateBody, parse_json, validate
+from jaxlab.serve.scheduler import admission_sizes, split_admission
 from jaxlab.serve.text import TextAssembler
 from jaxlab.tokenizer import byte_tokenizer
 
@@ -202,3 +205,25 @@ def test_serve_config_takes_the_run_config_and_only_serving_overrides(tmp_path):
         serve_config(tmp_path, ["model.d_model=128"])
     with pytest.raises(ConfigError, match="not a run directory"):
         serve_config(tmp_path / "nope")
+
+
+@pytest.mark.parametrize(
+    ("prefill_batch", "sizes"),
+    [(1, (1,)), (2, (2, 1)), (4, (4, 2, 1)), (6, (6, 4, 2, 1)), (8, (8, 4, 2, 1))],
+)
+def test_admission_sizes_are_powers_of_two_and_the_batch(prefill_batch, sizes):
+    assert admission_sizes(prefill_batch) == sizes
+
+
+@given(st.integers(1, 16), st.integers(0, 40))
+def test_split_admission_covers_every_request_with_the_fewest_largest_groups(batch, n):
+    sizes = admission_sizes(batch)
+    groups = split_admission(n, sizes)
+    assert sum(groups) == n
+    assert all(g in sizes for g in groups)
+    assert groups == sorted(groups, reverse=True)
+    # Greedy over these sizes is optimal: full groups of ``batch`` first, then the
+    # remainder's binary digits (each power of two at most once).
+    full, rest = divmod(n, batch)
+    assert groups[:full] == [batch] * full
+    assert groups[full:] == [b for b in sizes[::-1] if b < batch and rest & b][::-1]
