@@ -18,7 +18,9 @@ This module computes the same function for ``T = 1`` over the engine's cache lay
    axis of the stored cache, so they read it in place (``[G, D] x [S, D]^T`` and
    ``[G, S] x [S, D]`` per ``n``) -- no transposes, no wasted FLOPs for MHA/GQA/MQA;
 2. the write is one in-place scatter of ``K`` rows per slot whose result feeds the dots
-   directly (no reshape between them), so nothing is duplicated or copied.
+   directly (no reshape between them), so nothing is duplicated or copied;
+3. only the leading rows up to the last active slot are computed (:func:`row_buckets`):
+   a slot that is idle or done costs nothing unless a busier slot sits above it.
 
 It reuses the model's own modules (norms, MLP, embeddings, RoPE, ``dense``), so only the
 attention wiring is restated here; ``tests/infer`` checks it against ``model.apply``.
@@ -31,16 +33,18 @@ import itertools
 import math
 import operator
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxlab.infer.core import NO_TOKEN, advance_rows, decode_loop
-from jaxlab.infer.sampling import sample
+from jaxlab.infer.sampling import SamplingArrays, sample
 from jaxlab.infer.state import DecodeState, block_starts
 from jaxlab.model import MASK_VALUE, Transformer, apply_rope
 from jaxlab.model.layers import dense
+from jaxlab.model.transformer import Block
 
 Array = jax.Array
 
@@ -50,7 +54,8 @@ def write_rows(blocks: tuple[Array, ...], new: Array, pos: Array) -> tuple[Array
 
     One scatter per block; a row whose slot lies in another block gets an out-of-range
     index there, which ``mode="drop"`` skips. Indices are unique and sorted, so XLA writes
-    in place on the donated buffers. The caller clamps ``pos`` into the cache.
+    in place on the donated buffers. The caller clamps ``pos`` into the cache; a row at
+    ``pos >= max_len`` writes nothing (a row the step did not compute).
     """
     b, kv, d = new.shape
     rows = jnp.arange(b * kv)
@@ -125,39 +130,120 @@ def attend_prefix(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], pos: Arr
     return jax.lax.switch(index, [first(c) for c in range(1, len(sizes) + 1)], q, k, v, pos)
 
 
+Caches = tuple[tuple[Array, ...], ...]
+
+#: Row buckets of the decode step are powers of this below the slot count (16 -> 1, 4, 16).
+ROW_BUCKET_BASE = 4
+
+
+def row_buckets(slots: int) -> tuple[int, ...]:
+    """How many leading rows a decode step may compute: ``(1, 4, 16)`` for 16 slots.
+
+    Rows past the last active one are idle or done slots, and the step skips them, so one
+    request on a 16-slot server pays for a 1-row step, not a 16-row one. Each bucket is one
+    more branch in the compiled step: compile time grows with the number of buckets, the
+    number of compiled functions does not.
+    """
+    out: list[int] = []
+    r = 1
+    while r < slots:
+        out.append(r)
+        r *= ROW_BUCKET_BASE
+    return (*out, slots)
+
+
+def by_rows(
+    index: Array | None, buckets: tuple[int, ...], f: Callable[..., tuple[Array, ...]], *args: Any
+) -> tuple[Array, ...]:
+    """``f(r, *args)`` for ``r = buckets[index]`` leading rows (a ``lax.switch``), each
+    output zero-padded back to ``buckets[-1]`` rows. ``f`` slices its row-indexed inputs
+    itself. Without ``index`` there is no switch: ``f`` runs on all rows.
+    """
+    n = buckets[-1]
+    if index is None:
+        return f(n, *args)
+
+    def branch(r: int) -> Callable[..., tuple[Array, ...]]:
+        def run(*a: Any) -> tuple[Array, ...]:
+            return tuple(jnp.pad(o, [(0, n - r)] + [(0, 0)] * (o.ndim - 1)) for o in f(r, *a))
+
+        return run
+
+    return tuple(jax.lax.switch(index, [branch(r) for r in buckets], *args))
+
+
+def _project(
+    block: Block, r: int, x: Array, rope: tuple[Array, Array] | None
+) -> tuple[Array, Array, Array]:
+    """Rows ``:r`` of ``x [B, 1, d]`` -> ``q [r, H, D]``, ``k, v [r, K, D]`` (RoPE applied)."""
+    a = block.attn
+    h, kv, d = a.n_heads, a.n_kv_heads, a.head_dim
+    qkv = dense(block.attn_norm(x[:r]), a.w_qkv[...], a.compute_dtype).reshape(r, 1, -1, d)
+    q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
+    if rope is not None:
+        sin, cos = (t[:r] for t in rope)
+        q = apply_rope(q, sin, cos)
+        k = apply_rope(k, sin, cos)
+    return q[:, 0], k[:, 0], v[:, 0]
+
+
+def _attend_mlp(
+    block: Block,
+    r: int,
+    x: Array,
+    q: Array,
+    k: tuple[Array, ...],
+    v: tuple[Array, ...],
+    pos: Array,
+) -> tuple[Array]:
+    """The rest of the block for rows ``:r``: attention over the (written) cache, MLP."""
+    a = block.attn
+    n_rows = r * a.n_kv_heads
+    if n_rows < k[0].shape[0]:  # the first r slots' rows of each block: a small copy
+        k = tuple(blk[:n_rows] for blk in k)
+        v = tuple(blk[:n_rows] for blk in v)
+    out = attend_prefix(q[:r], k, v, pos[:r]).reshape(r, 1, a.n_heads * a.head_dim)
+    y = x[:r] + dense(out, a.w_out[...], a.compute_dtype, jnp.float32)
+    return (y + block.mlp(block.mlp_norm(y)),)
+
+
 def fused_forward(
     model: Transformer,
     tokens: Array,
     pos: Array,
-    k_cache: tuple[tuple[Array, ...], ...],
-    v_cache: tuple[tuple[Array, ...], ...],
-) -> tuple[Array, tuple[tuple[Array, ...], ...], tuple[tuple[Array, ...], ...]]:
-    """Logits ``f32[B, V]`` of one new token per row at ``pos``, and the updated caches.
+    k_cache: Caches,
+    v_cache: Caches,
+    index: Array | None = None,
+    buckets: tuple[int, ...] | None = None,
+) -> tuple[Array, Caches, Caches]:
+    """The last block's output ``f32[B, 1, d]`` for one new token per row at ``pos``, and
+    the updated caches (the head is the caller's, :func:`decode_step`).
 
-    Equal to ``model(tokens[:, None], pos[:, None], kv_cache=..., cache_index=pos)``
-    (in the model's layout) up to float summation order.
+    Equal to the hidden state of ``model(tokens[:, None], pos[:, None], kv_cache=...,
+    cache_index=pos)`` (in the model's layout) up to float summation order. With
+    ``index`` into ``buckets`` (:func:`row_buckets`) only the first ``buckets[index]``
+    rows are computed: each layer's row-sized work runs in two :func:`by_rows` switches
+    (the QKV projection; attention and MLP), and the rows past them write no K/V and come
+    out as zeros. The cache writes sit between the two switches, outside both, so they
+    update the donated buffers in place and feed the attention dots directly.
     """
     b = tokens.shape[0]
+    buckets = buckets or (b,)
+    pos_w = pos
+    if index is not None:  # rows not computed write nothing: a slot the scatter drops
+        capacity = sum(blk.shape[1] for blk in k_cache[0])
+        pos_w = jnp.where(jnp.arange(b) < jnp.asarray(buckets)[index], pos, capacity)
     x, rope = model.embed_inputs(tokens[:, None], pos[:, None])  # x: f32 [B, 1, d]
     new_k: list[tuple[Array, ...]] = []
     new_v: list[tuple[Array, ...]] = []
     for i, block in enumerate(model.blocks):
-        attn = block.attn
-        h, kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        qkv = dense(block.attn_norm(x), attn.w_qkv[...], attn.compute_dtype)
-        qkv = qkv.reshape(b, 1, h + 2 * kv, d)
-        q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
-        if rope is not None:
-            q = apply_rope(q, *rope)
-            k = apply_rope(k, *rope)
-        kc = write_rows(k_cache[i], k[:, 0], pos)
-        vc = write_rows(v_cache[i], v[:, 0], pos)
+        q, k, v = by_rows(index, buckets, functools.partial(_project, block), x, rope)
+        kc = write_rows(k_cache[i], k, pos_w)
+        vc = write_rows(v_cache[i], v, pos_w)
         new_k.append(kc)
         new_v.append(vc)
-        out = attend_prefix(q[:, 0], kc, vc, pos).reshape(b, 1, h * d)
-        x = x + dense(out, attn.w_out[...], attn.compute_dtype, jnp.float32)
-        x = x + block.mlp(block.mlp_norm(x))
-    return model.logits(model.final_norm(x))[:, 0], tuple(new_k), tuple(new_v)
+        (x,) = by_rows(index, buckets, functools.partial(_attend_mlp, block), x, q, kc, vc, pos)
+    return x, tuple(new_k), tuple(new_v)
 
 
 def decode_step(
@@ -166,14 +252,27 @@ def decode_step(
     """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
 
     Feeds ``st.tokens`` at ``st.pos`` (writing its K/V to cache slot ``pos``), samples the
-    next token with key index ``st.generated``. Done rows compute but do not advance (their
-    position is clamped into the cache); their ``emitted`` is :data:`NO_TOKEN`.
+    next token with key index ``st.generated``. Only the leading rows up to the last
+    active one are computed, rounded up to a :func:`row_buckets` size; done rows inside
+    that range compute but do not advance (their position is clamped into the cache), and
+    rows past it get zero logits. Every done row's ``emitted`` is :data:`NO_TOKEN`.
     """
     model = nnx.merge(graphdef, params)
+    n = st.slots
     pos = jnp.minimum(st.pos, st.max_len - 1)
-    logits, k, v = fused_forward(model, st.tokens, pos, st.k, st.v)
-    tok = sample(logits, st.sampling, st.generated)
     active = ~st.done
+    buckets = row_buckets(n)
+    index = None
+    if len(buckets) > 1:
+        last = jnp.max(jnp.where(active, jnp.arange(1, n + 1), 0))  # 1 + last active row
+        index = jnp.sum(jnp.asarray(buckets[:-1]) < last)
+    x, k, v = fused_forward(model, st.tokens, pos, st.k, st.v, index, buckets)
+
+    def head(r: int, x: Array, sp: SamplingArrays, generated: Array) -> tuple[Array, Array]:
+        logits = model.logits(model.final_norm(x[:r]))[:, 0]
+        return logits, sample(logits, jax.tree.map(lambda a: a[:r], sp), generated[:r])
+
+    logits, tok = by_rows(index, buckets, head, x, st.sampling, st.generated)
     generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
     new = DecodeState(
         k=k,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxlab.config import DataConfig, InferenceConfig, JaxlabConfig, ModelConfig, TokenizerConfig
@@ -277,6 +277,72 @@ def test_prefill_insert_generate_chunk_equals_offline_generate():
                 free.append(slot)
     assert [got[i] for i in range(len(reqs))] == expected
     assert eng.compiles["insert"] == 1
+
+
+@pytest.mark.parametrize(
+    ("slots", "buckets"),
+    [(1, (1,)), (3, (1, 3)), (4, (1, 4)), (8, (1, 4, 8)), (16, (1, 4, 16)), (64, (1, 4, 16, 64))],
+)
+def test_row_buckets(slots, buckets):
+    from jaxlab.infer.fused import row_buckets
+
+    assert row_buckets(slots) == buckets
+
+
+def slot_request(slot: int) -> Request:
+    prompt = [(slot * 7 + j) % VOCAB for j in range(1 + slot % 5)]
+    if slot % 3 == 2:
+        return Request(prompt, SamplingParams(max_new_tokens=5, temperature=0.9, seed=slot))
+    return Request(prompt, greedy(3 + slot % 4))
+
+
+@functools.cache
+def slots_engine() -> Engine:
+    """Its own engine: the 16-slot state compiles insert and decode shapes of its own."""
+    return make_engine(tiny_cfg(2, 256, [8, 256]))
+
+
+@functools.cache
+def solo_tokens(slot: int) -> list[int]:
+    return slots_engine().generate([slot_request(slot)])[0].token_ids
+
+
+@SETTINGS
+@example(active={0})
+@example(active={1})  # the 4-row bucket's first row
+@example(active={3, 4})  # 4-row bucket edge, then the 16-row bucket's
+@example(active={15})
+@given(active=st.sets(st.integers(0, 15), min_size=1, max_size=16))
+def test_idle_slots_past_the_last_active_row_are_skipped_exactly(active):
+    """16 slots, any set of occupied ones: the step computes only the leading rows up to
+    the last occupied slot (a 1-, 4- or 16-row branch); every request still equals its
+    offline generation, and the cache of every slot past the computed rows (finished
+    requests here) is unchanged."""
+    from jaxlab.infer.fused import row_buckets
+
+    eng = slots_engine()
+    buckets = row_buckets(16)
+    assert buckets == (1, 4, 16)
+    computed = next(r for r in buckets if r > max(active))
+    state = eng.init_decode_state(16)
+    got: dict[int, list[int]] = {}
+    for slot in range(16):
+        req = slot_request(slot)
+        if slot not in active:  # a finished request: done, with a filled cache row
+            req = Request(req.prompt, greedy(1))
+        prefix = eng.prefill(req.prompt, req.sampling)
+        got[slot] = [int(prefix.tokens[0])]
+        state = eng.insert(prefix, state, slot)
+    kv = eng.cfg.model.n_kv_heads
+    before = [np.asarray(b[computed * kv :]) for b in jax.tree.leaves((state.k, state.v))]
+    while not bool(np.all(np.asarray(state.done))):
+        state, toks, _ = eng.generate_chunk(state, 4)
+        for slot in active:
+            got[slot] += [int(t) for t in np.asarray(toks)[:, slot] if t >= 0]
+    after = [np.asarray(b[computed * kv :]) for b in jax.tree.leaves((state.k, state.v))]
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert {s: got[s] for s in active} == {s: solo_tokens(s) for s in active}
 
 
 def test_batched_prefill_insert_rows_equals_offline_generate():
