@@ -5,9 +5,11 @@ The scheduler owns a batched :class:`~jaxlab.infer.state.DecodeState` of ``slots
 
     drop cancelled / timed-out requests (their slots are freed at once)
     admit: while a slot is free and a request waits -> prefill (bucketed) -> insert
-           (requests admitted together go in power-of-two groups of at most
-           ``prefill_batch``: one ragged prefill and one ``insert_rows`` per group)
-    one generate_chunk(k) over every slot      (one jitted while_loop, <= k tokens each)
+           (requests admitted together go in groups of ``prefill_batch`` and the
+           powers of two below it: one ragged prefill and one ``insert_rows`` per group;
+           a request takes the lowest free slot)
+    one generate_chunk(k) over the slots       (one jitted while_loop, <= k tokens each;
+                                                rows past the last busy slot skipped)
     route the *previous* chunk's tokens to their requests; free the finished slots
 
 Decoding is pipelined one chunk deep: chunk ``i + 1`` is dispatched (asynchronously)
