@@ -655,19 +655,50 @@ def test_drain_finishes_in_flight_and_refuses_new_requests(engine, cfg):
         assert states[-2:] == [ModelState.DRAINING, ModelState.STOPPED]
 
 
+def admit_together(s: Any, engine: Any, run_dir: Any, cfg: Any, reqs: list) -> tuple:
+    """Queue ``reqs`` while admission is paused, release them at once and drain them.
+
+    Returns ``(outputs, expected, prefills)``: each request's served tokens, its offline
+    generation (a separate engine, whose compiles are its own), and the prompt lengths
+    of every ``prefill_batch`` call the scheduler made, in order.
+    """
+    from jaxlab.infer.engine import Engine, Request
+    from jaxlab.serve.scheduler import GenRequest
+
+    wait_until(lambda: s.idle)
+    reference = Engine.from_run_dir(run_dir, cfg=cfg)
+    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in reqs]
+    prefills: list[list[int]] = []
+    prefill_batch = engine.prefill_batch
+
+    def counting(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        prefills.append([len(p) for p in prompts])
+        return prefill_batch(prompts, *args, **kwargs)
+
+    s.pause_admission()
+    engine.prefill_batch = counting
+    try:
+        handles = [s.submit(GenRequest(list(ids), sp)) for ids, sp in reqs]
+        s.resume_admission()
+        for h in handles:
+            while h.get(timeout=60).kind == "tokens":
+                pass
+    finally:
+        del engine.prefill_batch
+        s.resume_admission()
+    return [h.token_ids for h in handles], expected, prefills
+
+
 def test_requests_admitted_together_share_one_prefill_and_equal_offline(
     server, engine, run_dir, cfg
 ):
     """With every slot free, waiting requests are prefilled as one ragged batch and
     scattered into their slots (one finishes in prefill and takes no slot); each output
     equals generating it alone, and nothing compiles beyond the warm-up."""
-    from jaxlab.infer.engine import Engine, Request
     from jaxlab.infer.sampling import SamplingParams
-    from jaxlab.serve.scheduler import GenRequest
 
     s = sched(server)
     assert s.prefill_batch == 4 == s.slots
-    wait_until(lambda: s.idle)
     reqs = [
         ([7] * 3, SamplingParams(max_new_tokens=9, ignore_eos=True)),
         ([9] * 25, SamplingParams(max_new_tokens=5, temperature=0.9, seed=4, ignore_eos=True)),
@@ -675,27 +706,9 @@ def test_requests_admitted_together_share_one_prefill_and_equal_offline(
         ([13] * 12, SamplingParams(max_new_tokens=7, top_k=5, temperature=1.0, seed=1)),
         ([15] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True)),  # waits for a slot
     ]
-    reference = Engine.from_run_dir(run_dir, cfg=cfg)  # its compiles are its own
-    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in reqs]
-    calls: list[int] = []
-    prefill_batch = engine.prefill_batch
-
-    def counting(prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(prompts))
-        return prefill_batch(prompts, *args, **kwargs)
-
-    s.pause_admission()
-    engine.prefill_batch = counting
-    try:
-        handles = [s.submit(GenRequest(list(ids), sp)) for ids, sp in reqs]
-        s.resume_admission()
-        for h in handles:
-            while h.get(timeout=60).kind == "tokens":
-                pass
-    finally:
-        del engine.prefill_batch
-        s.resume_admission()
-    assert [h.token_ids for h in handles] == expected
+    outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
+    calls = [len(p) for p in prefills]
+    assert outputs == expected
     assert calls[0] == 4 and sorted(calls[1:]) == [1]
     assert engine.compiles == s.compiles_after_warmup
 
@@ -703,40 +716,18 @@ def test_requests_admitted_together_share_one_prefill_and_equal_offline(
 def test_three_admitted_together_go_as_a_pair_and_a_single(server, engine, run_dir, cfg):
     """Admission groups are power-of-two sizes: 3 waiting requests (4 free slots) are one
     2-row prefill (the two shortest) and one single, with outputs equal to offline."""
-    from jaxlab.infer.engine import Engine, Request
     from jaxlab.infer.sampling import SamplingParams
-    from jaxlab.serve.scheduler import GenRequest
 
     s = sched(server)
     assert s.admission_sizes == (4, 2, 1)
-    wait_until(lambda: s.idle)
     reqs = [
         ([21] * 30, SamplingParams(max_new_tokens=6, ignore_eos=True)),
         ([22] * 5, SamplingParams(max_new_tokens=8, temperature=0.7, seed=9, ignore_eos=True)),
         ([23] * 9, SamplingParams(max_new_tokens=4, ignore_eos=True)),
     ]
-    reference = Engine.from_run_dir(run_dir, cfg=cfg)
-    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in reqs]
-    calls: list[list[int]] = []
-    prefill_batch = engine.prefill_batch
-
-    def counting(prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append([len(p) for p in prompts])
-        return prefill_batch(prompts, *args, **kwargs)
-
-    s.pause_admission()
-    engine.prefill_batch = counting
-    try:
-        handles = [s.submit(GenRequest(list(ids), sp)) for ids, sp in reqs]
-        s.resume_admission()
-        for h in handles:
-            while h.get(timeout=60).kind == "tokens":
-                pass
-    finally:
-        del engine.prefill_batch
-        s.resume_admission()
-    assert [h.token_ids for h in handles] == expected
-    assert calls == [[5, 9], [30]]
+    outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
+    assert outputs == expected
+    assert prefills == [[5, 9], [30]]
     assert engine.compiles == s.compiles_after_warmup
 
 
