@@ -112,9 +112,10 @@ def register(app: typer.Typer) -> None:
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         cfg = rd.load_config()
         _check_fits(rd, cfg, text_prompt, max_new_tokens)  # usage errors before jax loads
-        from jaxlab.runtime import configure_platform
+        from jaxlab.runtime import configure_platform, enable_compilation_cache
 
         configure_platform(cfg.runtime.platform)
+        enable_compilation_cache(cfg.runtime.compilation_cache_dir)
         _quiet_libraries()
 
         from jaxlab.checkpoint import CheckpointNotFound
@@ -175,6 +176,7 @@ def register(app: typer.Typer) -> None:
             "tokens_per_s": gen.tokens_per_s,
             "compile_s": gen.compile_s,
             "compiles": gen.compiles,
+            "compile_cache_hits": engine.compile_cache_hits,
             "bucket": gen.bucket,
             "kv_cache": kv_cache,
             "stream": stream,

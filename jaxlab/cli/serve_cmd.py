@@ -46,6 +46,15 @@ def _check_step(run_dir: Path, step: int | None) -> None:
         raise UsageProblem(f"--step {step}: no such checkpoint (steps: {steps})")
 
 
+def _cache_note(sched: Any) -> str:
+    """`` (n of m compiles from the compilation cache)`` when the persistent cache served any."""
+    if sched is None:
+        return ""
+    hits = sched.engine.compile_cache_hits
+    total = sum(sched.engine.compiles.values())
+    return f" ({hits} of {total} compiles from the compilation cache)" if hits else ""
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         epilog="Example: jaxlab serve --run-dir artifacts/runs/demo --port 8000 --slots 8. "
@@ -98,9 +107,10 @@ def register(app: typer.Typer) -> None:
         _check_step(run_dir, step)
         cfg = serve_config(run_dir, set_ or [], host=host, port=port, slots=slots)
 
-        from jaxlab.runtime import configure_platform
+        from jaxlab.runtime import configure_platform, enable_compilation_cache
 
         configure_platform(cfg.runtime.platform)
+        enable_compilation_cache(cfg.runtime.compilation_cache_dir)
         _quiet_libraries()
 
         from jaxlab.serve.server import run_server
@@ -121,7 +131,7 @@ def register(app: typer.Typer) -> None:
                 f"ready: {url}  model {info['model']} (step {info['checkpoint_step']}, "
                 f"{info['platform']}, {info['precision']}), {info['slots']} slots, "
                 f"max_len {info['max_len']}, buckets {info['prefill_buckets']}, "
-                f"warm-up {sched.warmup_s if sched else 0:.1f}s",
+                f"warm-up {sched.warmup_s if sched else 0:.1f}s{_cache_note(sched)}",
                 markup=False,
                 soft_wrap=True,
             )

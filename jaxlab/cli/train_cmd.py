@@ -169,11 +169,13 @@ def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
 
 
 def _configure(cfg: Any) -> None:
-    """Platform and multi-process runtime first: both must precede any jax computation."""
+    """Platform, compilation cache and multi-process runtime first: all must precede any jax
+    computation."""
     from jaxlab.parallel.distributed import initialize
-    from jaxlab.runtime import configure_platform
+    from jaxlab.runtime import configure_platform, enable_compilation_cache
 
     configure_platform(cfg.runtime.platform)
+    enable_compilation_cache(cfg.runtime.compilation_cache_dir)
     _quiet_libraries()
     initialize(cfg.runtime)
 

@@ -70,6 +70,15 @@ class RuntimeConfig(Section):
     artifacts_dir: str = Field(
         default="artifacts", description="Root for runs, caches and benchmarks."
     )
+    compilation_cache_dir: str | None = Field(
+        default=None,
+        description=(
+            "JAX's persistent compilation cache (a directory): train, resume, eval, generate "
+            "and serve load the programs an earlier run compiled instead of compiling them "
+            "again (a restarted server warms up in seconds). Unset: off. jaxlab bench never "
+            "uses it, so its compile times stay real compiles."
+        ),
+    )
     distributed: DistributedConfig = Field(default_factory=lambda: DistributedConfig())
 
 

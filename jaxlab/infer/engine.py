@@ -301,6 +301,11 @@ class Engine:
         return sum(t.total_s for f in self._jitted() for t in f.timings)
 
     @property
+    def compile_cache_hits(self) -> int:
+        """Compiles so far that loaded their executable from the persistent cache."""
+        return sum(t.cached for f in self._jitted() for t in f.timings)
+
+    @property
     def compile_log(self) -> list[CompileTiming]:
         """Every compile so far (function name, input signature, trace/lower/compile s)."""
         return [t for f in self._jitted() for t in f.timings]

@@ -4,6 +4,13 @@ Importing this package does not import jax; only the functions that need it do.
 """
 
 from jaxlab.runtime.inventory import cpu_model, device_inventory, git_state, versions
-from jaxlab.runtime.platform import configure_platform
+from jaxlab.runtime.platform import configure_platform, enable_compilation_cache
 
-__all__ = ["configure_platform", "cpu_model", "device_inventory", "git_state", "versions"]
+__all__ = [
+    "configure_platform",
+    "cpu_model",
+    "device_inventory",
+    "enable_compilation_cache",
+    "git_state",
+    "versions",
+]

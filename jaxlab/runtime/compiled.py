@@ -6,12 +6,15 @@ ours, keyed by the (treedef, shapes, dtypes, shardings) of the arguments, so tha
 - the first compile is timed in its three phases (trace, lower, compile),
 - every compile is counted per function (tests assert bounded compile counts; the
   inference engine and server export them as metrics),
-- a compile after the first one is reported with the signature that caused it.
+- a compile after the first one is reported with the signature that caused it,
+- a compile served from JAX's persistent compilation cache
+  (:func:`jaxlab.runtime.enable_compilation_cache`) is marked as such.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +32,35 @@ class CompileTiming:
     trace_s: float
     lower_s: float
     compile_s: float
+    #: The executable was loaded from the persistent compilation cache, not compiled.
+    cached: bool = False
 
     @property
     def total_s(self) -> float:
         return self.trace_s + self.lower_s + self.compile_s
+
+
+# Persistent-cache hits of this thread: JAX reports each hit as a monitoring event from
+# the thread that compiles, so a per-thread count brackets one compile exactly.
+_hits = threading.local()
+_listener_lock = threading.Lock()
+_listening = False
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if event == CACHE_HIT_EVENT:
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+def persistent_cache_hits() -> int:
+    """Persistent compilation cache hits seen on this thread so far."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+    return getattr(_hits, "n", 0)
 
 
 def _leaf_sig(x: Any) -> Any:
@@ -86,9 +114,11 @@ class ShapeKeyedJit:
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
+        hits = persistent_cache_hits()
         compiled = lowered.compile()
         t3 = time.perf_counter()
-        timing = CompileTiming(self.name, describe(sig), t1 - t0, t2 - t1, t3 - t2)
+        cached = persistent_cache_hits() > hits
+        timing = CompileTiming(self.name, describe(sig), t1 - t0, t2 - t1, t3 - t2, cached)
         if self.timings and self.warn_on_recompile:
             log.warning(
                 "%s recompiled (compile #%d, %.2fs) for a new input signature: %s",

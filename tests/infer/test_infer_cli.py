@@ -76,6 +76,28 @@ def test_generate_json_stream_and_no_kv_cache_agree(run_dir):
     assert naive.stdout == doc["text"] + "\n"
 
 
+def test_compilation_cache_dir_serves_a_second_run(run_dir, tmp_path):
+    """``runtime.compilation_cache_dir``: the first run writes its executables, a second
+    identical run loads every one of them (``compile_cache_hits``; JAX writes an entry only
+    on a miss, so nothing is added or rewritten) and answers the same. jaxlab still counts
+    each load as that function's compile."""
+    cache = tmp_path / "xla-cache"
+    env = {"JAXLAB_RUNTIME__COMPILATION_CACHE_DIR": str(cache)}
+    args = ("--prompt", PROMPT, "--max-new-tokens", "8", "--json")
+    first = run_cli("generate", "--run-dir", str(run_dir), *args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.json()["compile_cache_hits"] == 0
+    written = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert any("decode" in name for name in written), sorted(written)
+    second = run_cli("generate", "--run-dir", str(run_dir), *args, env=env)
+    assert second.returncode == 0, second.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == written
+    assert second.json()["token_ids"] == first.json()["token_ids"]
+    compiles = second.json()["compiles"]
+    assert compiles == first.json()["compiles"] and compiles["prefill"] == compiles["decode"] == 1
+    assert second.json()["compile_cache_hits"] == sum(compiles.values())
+
+
 def test_generate_bad_input_exits_2(run_dir, tmp_path):
     r = generate(run_dir)
     assert r.returncode == 2 and "no prompt" in r.stderr
