@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,26 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+_SESSION_CACHE: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One JAX persistent compilation cache for the session, shared through the environment
+    by this process and every CLI subprocess: the tests build the same small models again
+    and again, and a hit loads the executable instead of compiling it. It starts empty, so
+    every distinct program is still compiled once per run. ``TESTS_XLA_CACHE=0``
+    turns it off; a ``JAX_COMPILATION_CACHE_DIR`` of your own is left alone."""
+    global _SESSION_CACHE
+    if os.environ.get("TESTS_XLA_CACHE", "1") == "0" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="jaxlab-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @dataclass
