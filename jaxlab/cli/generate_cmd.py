@@ -112,10 +112,9 @@ def register(app: typer.Typer) -> None:
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         cfg = rd.load_config()
         _check_fits(rd, cfg, text_prompt, max_new_tokens)  # usage errors before jax loads
-        from jaxlab.runtime import configure_platform, enable_compilation_cache
+        from jaxlab.runtime import configure_runtime
 
-        configure_platform(cfg.runtime.platform)
-        enable_compilation_cache(cfg.runtime.compilation_cache_dir)
+        configure_runtime(cfg.runtime)
         _quiet_libraries()
 
         from jaxlab.checkpoint import CheckpointNotFound

@@ -107,10 +107,9 @@ def register(app: typer.Typer) -> None:
         _check_step(run_dir, step)
         cfg = serve_config(run_dir, set_ or [], host=host, port=port, slots=slots)
 
-        from jaxlab.runtime import configure_platform, enable_compilation_cache
+        from jaxlab.runtime import configure_runtime
 
-        configure_platform(cfg.runtime.platform)
-        enable_compilation_cache(cfg.runtime.compilation_cache_dir)
+        configure_runtime(cfg.runtime)
         _quiet_libraries()
 
         from jaxlab.serve.server import run_server

@@ -172,10 +172,9 @@ def _configure(cfg: Any) -> None:
     """Platform, compilation cache and multi-process runtime first: all must precede any jax
     computation."""
     from jaxlab.parallel.distributed import initialize
-    from jaxlab.runtime import configure_platform, enable_compilation_cache
+    from jaxlab.runtime import configure_runtime
 
-    configure_platform(cfg.runtime.platform)
-    enable_compilation_cache(cfg.runtime.compilation_cache_dir)
+    configure_runtime(cfg.runtime)
     _quiet_libraries()
     initialize(cfg.runtime)
 

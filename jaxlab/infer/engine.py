@@ -303,7 +303,7 @@ class Engine:
     @property
     def compile_cache_hits(self) -> int:
         """Compiles so far that loaded their executable from the persistent cache."""
-        return sum(t.cached for f in self._jitted() for t in f.timings)
+        return sum(t.cached for t in self.compile_log)
 
     @property
     def compile_log(self) -> list[CompileTiming]:

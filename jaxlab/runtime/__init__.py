@@ -4,10 +4,15 @@ Importing this package does not import jax; only the functions that need it do.
 """
 
 from jaxlab.runtime.inventory import cpu_model, device_inventory, git_state, versions
-from jaxlab.runtime.platform import configure_platform, enable_compilation_cache
+from jaxlab.runtime.platform import (
+    configure_platform,
+    configure_runtime,
+    enable_compilation_cache,
+)
 
 __all__ = [
     "configure_platform",
+    "configure_runtime",
     "cpu_model",
     "device_inventory",
     "enable_compilation_cache",

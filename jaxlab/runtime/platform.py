@@ -18,6 +18,10 @@ import os
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxlab.config.schema import RuntimeConfig
 
 _JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
@@ -113,3 +117,11 @@ def enable_compilation_cache(path: str | os.PathLike[str] | None) -> Path | None
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return where
+
+
+def configure_runtime(runtime: RuntimeConfig) -> None:
+    """What a command that runs the model sets up from ``runtime`` before anything
+    compiles: the platform (:func:`configure_platform`) and the persistent compilation
+    cache (:func:`enable_compilation_cache`). ``jaxlab bench`` calls only the former."""
+    configure_platform(runtime.platform)
+    enable_compilation_cache(runtime.compilation_cache_dir)
