@@ -146,6 +146,11 @@ def register(app: typer.Typer) -> None:
             result = run_server(service, on_listening=on_listening, on_ready=on_ready)
         except OSError as e:
             raise UsageProblem(f"cannot listen on {cfg.serve.host}:{cfg.serve.port}: {e}") from None
+        # The server is down and uvicorn has put the default handlers back: a late signal
+        # (a supervisor repeating SIGTERM) must not kill the process on its way out and turn
+        # a clean drain into exit 143.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         if result.error is not None and result.signal is None:
             console.print(f"[bold red]error:[/] model failed: {result.error}", markup=True)
             raise typer.Exit(EXIT_FAILURE)

@@ -4,7 +4,9 @@ SIGTERM (and SIGINT) do not stop uvicorn at once. The first one starts a drain: 
 goes ``ready -> draining`` (``/ready`` 503, new requests 503 + Retry-After) while the
 listening socket stays open, in-flight requests (queued and running) finish within
 ``serve.drain_timeout_s``, and only then uvicorn shuts down (connections closed, lifespan
-shutdown stops the engine thread, ``draining -> stopped``). A second signal exits at once.
+shutdown stops the engine thread, ``draining -> stopped``). A second signal during the drain
+cuts it short: uvicorn stops waiting for connections, and requests still in flight fail. A
+signal after the drain is over changes nothing: the shutdown is already under way.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's handler: it would stop at once, and re-raise the signal at exit.
+        if self.drained is not None:
+            return  # the drain is over and uvicorn is shutting down: nothing to cut short
         if self.signal is not None or self._loop is None:
             # A second signal (or one before the loop runs): exit now.
             self.signal = self.signal or sig
@@ -80,6 +84,15 @@ class DrainingServer(uvicorn.Server):
         """Begin draining (on the server's loop); uvicorn exits when it is done."""
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skips the lifespan shutdown on a forced exit, so the app's lifespan
+            # task would be cancelled at loop close (Starlette logs that as a traceback)
+            # and the engine thread left running. Run it: the scheduler stops after its
+            # current chunk and fails what is still in flight.
+            await self.lifespan.shutdown()
 
     async def drain(self) -> None:
         try:

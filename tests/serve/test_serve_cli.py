@@ -47,21 +47,68 @@ def test_serve_usage_errors_exit_2(run_dir, tmp_path):
     assert r.returncode == 2 and "no such checkpoint" in r.stderr
 
 
+class Served:
+    """``jaxlab serve`` in a subprocess on an ephemeral port, its output in files."""
+
+    def __init__(self, run_dir: Path, tmp_path: Path, *extra: str) -> None:
+        self.tmp = tmp_path
+        port_file = tmp_path / "port"
+        self._out = (tmp_path / "stdout").open("w")
+        self._err = (tmp_path / "stderr").open("w")
+        cmd = [sys.executable, "-m", "jaxlab", "serve", "--run-dir", str(run_dir)]
+        cmd += ["--port", "0", "--port-file", str(port_file), *extra]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._out, stderr=self._err, env=clean_env(), cwd=ROOT
+        )
+        t_end = time.monotonic() + 180
+        while not port_file.exists():
+            assert self.proc.poll() is None, self.stderr
+            assert time.monotonic() < t_end
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready_statuses: list[int] = []
+        while True:
+            try:
+                self.ready_statuses.append(httpx.get(self.url + "/ready", timeout=5).status_code)
+            except httpx.TransportError:
+                self.ready_statuses.append(0)
+            if self.ready_statuses[-1] == 200:
+                break
+            assert self.proc.poll() is None and time.monotonic() < t_end, self.stderr
+            time.sleep(0.1)
+
+    @property
+    def stderr(self) -> str:
+        if not self._err.closed:
+            self._err.flush()
+        return (self.tmp / "stderr").read_text()
+
+    @property
+    def stdout(self) -> str:
+        if not self._out.closed:
+            self._out.flush()
+        return (self.tmp / "stdout").read_text()
+
+    def wait_for(self, path: str, status: int, timeout_s: float = 10) -> None:
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.url + path).status_code != status:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+        self._err.close()
+
+
 @pytest.mark.slow
 def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
-    port_file = tmp_path / "port"
-    out, err = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxlab",
-        "serve",
-        "--run-dir",
-        str(run_dir),
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
+    srv = Served(
+        run_dir,
+        tmp_path,
         "--set",
         "inference.prefill_buckets=[128]",
         "--set",
@@ -69,27 +116,10 @@ def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
         "--chunk-delay-s",
         "0.25",  # 48 tokens take >= 1.5 s: the request is surely in flight at SIGTERM
         "--json",
-    ]
-    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=clean_env(), cwd=ROOT)
+    )
+    proc, url, port = srv.proc, srv.url, srv.port
     try:
-        t_end = time.monotonic() + 180
-        while not port_file.exists():
-            assert proc.poll() is None, (tmp_path / "stderr").read_text()
-            assert time.monotonic() < t_end
-            time.sleep(0.05)
-        port = int(port_file.read_text())
-        url = f"http://127.0.0.1:{port}"
-        statuses = []
-        while True:
-            try:
-                statuses.append(httpx.get(url + "/ready", timeout=5).status_code)
-            except httpx.TransportError:
-                statuses.append(0)
-            if statuses[-1] == 200:
-                break
-            assert proc.poll() is None and time.monotonic() < t_end
-            time.sleep(0.1)
-        assert 503 in statuses  # gated while loading and warming
+        assert 503 in srv.ready_statuses  # gated while loading and warming
 
         body = {"prompt": "in flight", "max_tokens": 48, "temperature": 0.0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
@@ -97,10 +127,7 @@ def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
             first = next(lines)
             assert first.startswith("data: {")
             proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while httpx.get(url + "/ready").status_code != 503:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            srv.wait_for("/ready", 503)
             late = httpx.post(url + "/v1/generate", json={"prompt": "late", "max_tokens": 2})
             assert late.status_code == 503 and "Retry-After" in late.headers
             assert late.json()["error"]["code"] == "draining"
@@ -110,16 +137,61 @@ def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
         assert payloads[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.close()
-        err.close()
-    stderr = (tmp_path / "stderr").read_text()
+        srv.close()
+    stderr = srv.stderr
     assert f"listening on {url}" in stderr
     assert f"ready: {url}" in stderr
     assert "SIGTERM: drained" in stderr
-    doc = json.loads((tmp_path / "stdout").read_text())
+    assert "Traceback" not in stderr
+    doc = json.loads(srv.stdout)
     assert doc["port"] == port and doc["url"] == url and doc["checkpoint_step"] == RUN_STEPS
     # One bucket, prefilled in admission groups of 1, 2 and 4 (serve.prefill_batch = 4 slots).
     assert doc["compiles"]["prefill"] == 3 and doc["compiles"]["decode"] == 1
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_cuts_a_drain_short_but_not_a_finished_one(run_dir, tmp_path):
+    # During a drain: the in-flight request is cut off (an error event), exit 143, and no
+    # traceback.
+    (tmp_path / "a").mkdir()
+    srv = Served(
+        run_dir, tmp_path / "a", "--set", "serve.drain_timeout_s=60", "--chunk-delay-s", "0.25"
+    )
+    try:
+        body = {"prompt": "in flight", "max_tokens": 48, "temperature": 0.0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data: {")
+            srv.proc.send_signal(signal.SIGTERM)
+            srv.wait_for("/ready", 503)
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(timeout=30) == 143
+            rest = list(lines)
+        # The cut-off request learns why, in the stream: an OpenAI-shaped error event.
+        errors = [json.loads(x[6:])["error"] for x in rest if x.startswith('data: {"error"')]
+        assert [e["code"] for e in errors] == ["shutting_down"]
+    finally:
+        srv.close()
+    assert "SIGTERM: stopped (drain incomplete)" in srv.stderr
+    assert "Traceback" not in srv.stderr
+
+    # After the drain (an idle server drains at once; the socket closes when uvicorn starts
+    # shutting down): the second signal changes nothing, exit 0.
+    (tmp_path / "b").mkdir()
+    srv = Served(run_dir, tmp_path / "b")
+    try:
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(srv.url + "/health", timeout=1)
+            except httpx.TransportError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == 0
+    finally:
+        srv.close()
+    assert "SIGTERM: drained" in srv.stderr
+    assert "Traceback" not in srv.stderr
