@@ -29,6 +29,9 @@ from jaxlab.serve.service import ModelService
 
 log = logging.getLogger("jaxlab.serve")
 
+#: On a forced exit, how long the requests just failed get to send their last events.
+FORCED_EXIT_GRACE_S = 2.0
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A bound TCP socket (``port=0``: the OS picks a free one; read it back with
@@ -93,10 +96,20 @@ class DrainingServer(uvicorn.Server):
             # and the engine thread left running. Run it: the scheduler stops after its
             # current chunk and fails what is still in flight.
             await self.lifespan.shutdown()
+            # The failed requests are now writing their error event and [DONE]; let them
+            # finish (briefly) so the loop's close does not cancel them mid-send, which
+            # uvicorn logs as an "Exception in ASGI application" traceback.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + FORCED_EXIT_GRACE_S
+            while self.server_state.tasks and loop.time() < deadline:
+                await asyncio.sleep(0.01)
 
     async def drain(self) -> None:
         try:
-            self.drained = await self.service.drain()
+            finished = await self.service.drain()
+            # After a forced exit the scheduler fails what was in flight, which also makes
+            # it idle: that is not a drain that finished.
+            self.drained = finished and not self.forced
         finally:
             self.should_exit = True
 

@@ -172,8 +172,8 @@ def test_a_second_sigterm_cuts_a_drain_short_but_not_a_finished_one(run_dir, tmp
         assert [e["code"] for e in errors] == ["shutting_down"]
     finally:
         srv.close()
-    assert "SIGTERM: stopped (drain incomplete)" in srv.stderr
-    assert "Traceback" not in srv.stderr
+    assert "SIGTERM: stopped (drain incomplete)" in srv.stderr, srv.stderr
+    assert "Traceback" not in srv.stderr, srv.stderr
 
     # After the drain (an idle server drains at once; the socket closes when uvicorn starts
     # shutting down): the second signal changes nothing, exit 0.
@@ -193,5 +193,5 @@ def test_a_second_sigterm_cuts_a_drain_short_but_not_a_finished_one(run_dir, tmp
         assert srv.proc.wait(timeout=30) == 0
     finally:
         srv.close()
-    assert "SIGTERM: drained" in srv.stderr
-    assert "Traceback" not in srv.stderr
+    assert "SIGTERM: drained" in srv.stderr, srv.stderr
+    assert "Traceback" not in srv.stderr, srv.stderr
