@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -87,6 +87,10 @@ def split_admission(n: int, sizes: Sequence[int]) -> list[int]:
             out.append(size)
             n -= size
     return out
+
+
+class _WarmupStopped(Exception):
+    """Raised inside :meth:`Scheduler.warmup` when its ``should_stop`` says yes."""
 
 
 class ServeError(Exception):
@@ -322,8 +326,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self) -> dict[str, int]:
-        """Compile every prefill bucket, ``insert`` and ``decode``; return the counts."""
+    def warmup(self, should_stop: Callable[[], bool] | None = None) -> dict[str, int] | None:
+        """Compile every prefill bucket, ``insert`` and ``decode``; return the counts.
+
+        ``should_stop`` is asked before each compile; once it says yes the warm-up ends
+        there and returns ``None`` (the scheduler is then not usable). A SIGTERM during a
+        warm-up of tens of seconds so waits for one compile, not for all of them.
+        """
         t0 = time.perf_counter()
         eng = self.engine
         # Warm-up compiles every bucket on purpose: keep the "recompiled" warnings for
@@ -331,19 +340,26 @@ class Scheduler:
         quiet = _DropRecompileWarnings()
         logging.getLogger("jaxlab.compile").addFilter(quiet)
         try:
-            self._warmup_calls()
+            self._warmup_calls(should_stop or (lambda: False))
+        except _WarmupStopped:
+            return None
         finally:
             logging.getLogger("jaxlab.compile").removeFilter(quiet)
-        self.warmup_s = time.perf_counter() - t0
+            self.warmup_s = time.perf_counter() - t0
         self.compiles_after_warmup = dict(eng.compiles)
         return self.compiles_after_warmup
 
-    def _warmup_calls(self) -> None:
+    def _warmup_calls(self, should_stop: Callable[[], bool]) -> None:
         import jax
 
         from jaxlab.infer.sampling import SamplingParams
 
+        def step() -> None:
+            if should_stop():
+                raise _WarmupStopped
+
         eng = self.engine
+        step()
         self._state = eng.init_decode_state(self.slots)
         self._empty = eng.init_decode_state(1)
         tok = self.tokenizer.eot_id
@@ -351,12 +367,16 @@ class Scheduler:
         groups = [g for g in self.admission_sizes if g > 1]
         for b in eng.buckets:
             n = min(b, eng.max_len - 1)
+            step()
             jax.block_until_ready(eng.prefill([tok] * n, one))
             for g in groups:
+                step()
                 jax.block_until_ready(eng.prefill_batch([[tok] * n] * g, [one] * g, bucket=b))
         for g in groups:  # compile insert_rows: write nothing (every row skipped)
+            step()
             rows, _ = eng.prefill_batch([[tok]] * g, [one] * g)
             self._state = eng.insert_rows(rows, self._state, [-1] * g)
+        step()
         # One real pass through insert -> decode -> free, on slot 0.
         budget = 2 if eng.max_len >= 3 else 1
         prefix = eng.prefill([tok], SamplingParams(max_new_tokens=budget, ignore_eos=True))

@@ -140,8 +140,10 @@ class ModelService:
             if not self._compiles_tracked:
                 self.metrics.track_compiles(lambda: engine.compiles)
                 self._compiles_tracked = True
-            sched.warmup()
-            self.scheduler = sched
+            # A stop (SIGTERM) during warm-up ends it before the next compile.
+            warmed = sched.warmup(should_stop=lambda: self._stop_requested)
+            if warmed is not None:
+                self.scheduler = sched
             if self._stop_requested:
                 lc.to(ModelState.STOPPED)
                 return

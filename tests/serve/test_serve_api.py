@@ -617,6 +617,28 @@ def test_ready_is_503_until_loaded_and_warmed(engine, cfg):
         )
 
 
+def test_a_stop_during_warm_up_ends_it_before_the_next_compile(run_dir, cfg):
+    from jaxlab.infer.engine import Engine
+
+    # A fresh engine (nothing compiled yet), and a drain requested the moment warm-up
+    # starts, from the engine thread itself (lifecycle listeners run synchronously): the
+    # warm-up must stop before its first compile instead of compiling every bucket.
+    fresh = Engine.from_run_dir(run_dir, cfg=cfg)
+    svc = ModelService(cfg, lambda: fresh)
+
+    def stop_at_warm_up(old: ModelState, new: ModelState) -> None:
+        if new == ModelState.WARMING:
+            svc.begin_drain()
+
+    svc.lifecycle.add_listener(stop_at_warm_up)
+    svc.start()
+    assert svc.lifecycle.wait_for({ModelState.STOPPED}, 60) == ModelState.STOPPED
+    svc.stop()
+    assert [s for s, _ in svc.lifecycle.history][-2:] == [ModelState.WARMING, ModelState.STOPPED]
+    assert sum(fresh.compiles.values()) == 0, fresh.compiles
+    assert svc.scheduler is None  # never usable: requests get 503 not_ready
+
+
 def test_a_model_that_fails_to_load_reports_failed(engine, cfg):
     def broken_loader() -> Any:
         raise FileNotFoundError("no checkpoint here")
