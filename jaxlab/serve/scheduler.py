@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -87,10 +87,6 @@ def split_admission(n: int, sizes: Sequence[int]) -> list[int]:
             out.append(size)
             n -= size
     return out
-
-
-class _WarmupStopped(Exception):
-    """Raised inside :meth:`Scheduler.warmup` when its ``should_stop`` says yes."""
 
 
 class ServeError(Exception):
@@ -340,26 +336,23 @@ class Scheduler:
         quiet = _DropRecompileWarnings()
         logging.getLogger("jaxlab.compile").addFilter(quiet)
         try:
-            self._warmup_calls(should_stop or (lambda: False))
-        except _WarmupStopped:
-            return None
+            for _ in self._warmup_calls():  # one compile per step
+                if should_stop is not None and should_stop():
+                    return None
         finally:
             logging.getLogger("jaxlab.compile").removeFilter(quiet)
             self.warmup_s = time.perf_counter() - t0
         self.compiles_after_warmup = dict(eng.compiles)
         return self.compiles_after_warmup
 
-    def _warmup_calls(self, should_stop: Callable[[], bool]) -> None:
+    def _warmup_calls(self) -> Iterator[None]:
+        """The warm-up, one compile per step: it yields before each one."""
         import jax
 
         from jaxlab.infer.sampling import SamplingParams
 
-        def step() -> None:
-            if should_stop():
-                raise _WarmupStopped
-
         eng = self.engine
-        step()
+        yield
         self._state = eng.init_decode_state(self.slots)
         self._empty = eng.init_decode_state(1)
         tok = self.tokenizer.eot_id
@@ -367,16 +360,16 @@ class Scheduler:
         groups = [g for g in self.admission_sizes if g > 1]
         for b in eng.buckets:
             n = min(b, eng.max_len - 1)
-            step()
+            yield
             jax.block_until_ready(eng.prefill([tok] * n, one))
             for g in groups:
-                step()
+                yield
                 jax.block_until_ready(eng.prefill_batch([[tok] * n] * g, [one] * g, bucket=b))
         for g in groups:  # compile insert_rows: write nothing (every row skipped)
-            step()
+            yield
             rows, _ = eng.prefill_batch([[tok]] * g, [one] * g)
             self._state = eng.insert_rows(rows, self._state, [-1] * g)
-        step()
+        yield
         # One real pass through insert -> decode -> free, on slot 0.
         budget = 2 if eng.max_len >= 3 else 1
         prefix = eng.prefill([tok], SamplingParams(max_new_tokens=budget, ignore_eos=True))

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ROOT, clean_env, run_cli
-from test_serve_api import RUN_STEPS, train_tiny
+from test_serve_api import RUN_STEPS, train_tiny, wait_until
 
 
 @pytest.fixture(scope="session")
@@ -90,11 +90,15 @@ class Served:
             self._out.flush()
         return (self.tmp / "stdout").read_text()
 
-    def wait_for(self, path: str, status: int, timeout_s: float = 10) -> None:
-        deadline = time.monotonic() + timeout_s
-        while httpx.get(self.url + path).status_code != status:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+    def wait_for(self, path: str, status: int) -> None:
+        wait_until(lambda: httpx.get(self.url + path).status_code == status)
+
+    def listening(self) -> bool:
+        try:
+            httpx.get(self.url + "/health", timeout=1)
+        except httpx.TransportError:
+            return False
+        return True
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -181,14 +185,7 @@ def test_a_second_sigterm_cuts_a_drain_short_but_not_a_finished_one(run_dir, tmp
     srv = Served(run_dir, tmp_path / "b")
     try:
         srv.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(srv.url + "/health", timeout=1)
-            except httpx.TransportError:
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: not srv.listening(), timeout_s=30)
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=30) == 0
     finally:
