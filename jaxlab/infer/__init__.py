@@ -6,7 +6,7 @@ in-jit decode loop, chunked streaming, sampling keys and compile accounting.
 This package imports jax; the CLI imports it only inside command bodies.
 """
 
-from jaxlab.infer.core import NO_TOKEN, naive_step
+from jaxlab.infer.core import NO_TOKEN, Weights, naive_step, weights_for
 from jaxlab.infer.engine import (
     BadRequest,
     Engine,
@@ -46,6 +46,7 @@ __all__ = [
     "SamplingParams",
     "Stream",
     "Utf8Stream",
+    "Weights",
     "decode_step",
     "default_buckets",
     "measure_generate",
@@ -53,4 +54,5 @@ __all__ = [
     "sample",
     "sampling_arrays",
     "top_k_top_p_mask",
+    "weights_for",
 ]

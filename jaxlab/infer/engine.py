@@ -39,11 +39,13 @@ from flax import nnx
 from jaxlab.config.schema import JaxlabConfig
 from jaxlab.infer.core import (
     NO_TOKEN,
+    Weights,
     insert,
     insert_rows,
     make_naive_decode,
     make_prefill,
     naive_step,
+    weights_for,
 )
 from jaxlab.infer.fused import make_decode
 from jaxlab.infer.sampling import SamplingParams, sampling_arrays
@@ -155,6 +157,8 @@ class Engine:
 
     Args:
       graphdef, params: the model (``split_model``); ``params`` are never donated.
+        Assigning ``engine.params`` also rebuilds the cached paths' :class:`Weights`
+        (the LM head as a ``[d_model, vocab]`` kernel, see :func:`weights_for`).
       cfg: the resolved config; ``model``, ``train.precision`` and ``inference`` are used.
       tokenizer: needed for text prompts and ``Result.text``; its ``eot_id`` is the EOS.
       checkpoint_step: recorded for reports (``from_run_dir`` sets it).
@@ -170,7 +174,7 @@ class Engine:
         checkpoint_step: int | None = None,
     ) -> None:
         self.graphdef = graphdef
-        self.params = params
+        self.params = params  # also sets self._weights
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.checkpoint_step = checkpoint_step
@@ -201,6 +205,21 @@ class Engine:
 
         self._naive_prefill = ShapeKeyedJit(naive_first, name="naive_prefill", donate_argnums=(1,))
         self._naive_decode: dict[int, ShapeKeyedJit] = {}
+
+    @property
+    def params(self) -> nnx.State:
+        return self._params
+
+    @params.setter
+    def params(self, params: nnx.State) -> None:
+        self._params = params
+        self._weights = weights_for(self.graphdef, params)
+
+    def weights(self, params: nnx.State | None = None) -> Weights:
+        """What prefill and decode read: the engine's (prepared once) or ``params``'."""
+        if params is None or params is self._params:
+            return self._weights
+        return weights_for(self.graphdef, params)
 
     # ------------------------------------------------------------------ construction
 
@@ -408,7 +427,7 @@ class Engine:
         overrides the padded length (default: the smallest configured bucket that fits).
         """
         bucket, args = self._prefill_args(prompts, samplings, bucket)
-        state = self._prefill(self.params if params is None else params, *args)
+        state = self._prefill(self.weights(params), *args)
         return state, bucket
 
     def prefill(
@@ -467,7 +486,7 @@ class Engine:
         ``inference.stream_chunk_tokens``.
         """
         k = k or self.cfg.inference.stream_chunk_tokens
-        return self._decode_fn(k)(self.params if params is None else params, state)
+        return self._decode_fn(k)(self.weights(params), state)
 
     # ------------------------------------------------------------------ offline
 
@@ -571,6 +590,7 @@ class Stream:
     def _run(self) -> Iterator[list[list[int]]]:
         eng = self.engine
         params = eng.params
+        weights = eng.weights()
         samplings = [r.sampling for r in self.requests]
         compile_before = eng._compile_s()
         t_call = self.t_call
@@ -578,10 +598,10 @@ class Stream:
         compile_s = 0.0
         if self.kv_cache:
             bucket, args = eng._prefill_args(self.ids, samplings)
-            eng._prefill.compile_for(params, *args)
+            eng._prefill.compile_for(weights, *args)
             compile_s = eng._compile_s() - compile_before
             t0 = time.perf_counter()
-            state = eng._prefill(params, *args)
+            state = eng._prefill(weights, *args)
             first, done = jax.device_get((state.tokens, state.done))
             decode_fn = eng._decode_fn(self.chunk_tokens)
         else:
@@ -600,13 +620,14 @@ class Stream:
 
         decode_s = 0.0
         cur: Any = state if self.kv_cache else nstate
+        step_args: Any = weights if self.kv_cache else params
         while not all(r.done for r in self.rows):
             c0 = eng._compile_s()
-            decode_fn.compile_for(params, cur)
+            decode_fn.compile_for(step_args, cur)
             dc = eng._compile_s() - c0
             compile_s += dc
             t2 = time.perf_counter()
-            cur, out, done = decode_fn(params, cur)
+            cur, out, done = decode_fn(step_args, cur)
             out, done = jax.device_get((out, done))
             decode_s += time.perf_counter() - t2
             yield self._take(np.asarray(out), np.asarray(done))

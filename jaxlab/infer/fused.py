@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlab.infer.core import NO_TOKEN, advance_rows, decode_loop
+from jaxlab.infer.core import NO_TOKEN, Weights, advance_rows, decode_loop, head_logits
 from jaxlab.infer.sampling import SamplingArrays, sample
 from jaxlab.infer.state import DecodeState, block_starts
 from jaxlab.model import MASK_VALUE, Transformer, apply_rope
@@ -247,7 +247,7 @@ def fused_forward(
 
 
 def decode_step(
-    graphdef: nnx.GraphDef, params: nnx.State, st: DecodeState
+    graphdef: nnx.GraphDef, weights: Weights, st: DecodeState
 ) -> tuple[DecodeState, Array, Array]:
     """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
 
@@ -256,8 +256,9 @@ def decode_step(
     active one are computed, rounded up to a :func:`row_buckets` size; done rows inside
     that range compute but do not advance (their position is clamped into the cache), and
     rows past it get zero logits. Every done row's ``emitted`` is :data:`NO_TOKEN`.
+    ``weights`` carries the LM head as a ``[d_model, vocab]`` kernel (:func:`weights_for`).
     """
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, weights.params)
     n = st.slots
     pos = jnp.minimum(st.pos, st.max_len - 1)
     active = ~st.done
@@ -269,7 +270,7 @@ def decode_step(
     x, k, v = fused_forward(model, st.tokens, pos, st.k, st.v, index, buckets)
 
     def head(r: int, x: Array, sp: SamplingArrays, generated: Array) -> tuple[Array, Array]:
-        logits = model.logits(model.final_norm(x[:r]))[:, 0]
+        logits = head_logits(model, weights.head, x[:r])[:, 0]
         return logits, sample(logits, jax.tree.map(lambda a: a[:r], sp), generated[:r])
 
     logits, tok = by_rows(index, buckets, head, x, st.sampling, st.generated)
@@ -288,8 +289,8 @@ def decode_step(
 
 def make_decode(
     graphdef: nnx.GraphDef, k: int
-) -> Callable[[nnx.State, DecodeState], tuple[DecodeState, Array, Array]]:
-    """``decode(params, state) -> (state, tokens i32[k, B], done bool[B])``: <= ``k`` steps.
+) -> Callable[[Weights, DecodeState], tuple[DecodeState, Array, Array]]:
+    """``decode(weights, state) -> (state, tokens i32[k, B], done bool[B])``: <= ``k`` steps.
 
     One ``lax.while_loop`` inside the jitted function; it exits early once every row is
     done, and unfilled entries are :data:`NO_TOKEN`. Jit it with the state donated so the
@@ -297,7 +298,7 @@ def make_decode(
     """
     step = functools.partial(decode_step, graphdef)
 
-    def decode(params: nnx.State, state: DecodeState) -> tuple[DecodeState, Array, Array]:
-        return decode_loop(step, params, state, k)
+    def decode(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
+        return decode_loop(step, weights, state, k)
 
     return decode

@@ -98,8 +98,11 @@ def lockstep(n_kv_heads: int):
     """One executable stepping the cached and the cache-free state together."""
     eng = variant_engine(n_kv_heads)
 
-    def both(params, cached, full):
-        return decode_step(eng.graphdef, params, cached), naive_step(eng.graphdef, params, full)
+    def both(weights, cached, full):
+        return (
+            decode_step(eng.graphdef, weights, cached),
+            naive_step(eng.graphdef, weights.params, full),
+        )
 
     return jax.jit(both)
 
@@ -127,6 +130,7 @@ def test_cached_decode_equals_full_prefix_decode(n_kv_heads, prompts, seed):
     float tolerance) and the same greedy tokens, including prefill's first token."""
     eng = variant_engine(n_kv_heads)
     params = numpy_params(eng.cfg, seed)[1]
+    weights = eng.weights(params)  # the tied variant's head: a transposed copy, as served
     step = lockstep(n_kv_heads)
     sp = [greedy(9)] * len(prompts)
     state, _ = eng.prefill_batch(prompts, sp, params=params, bucket=16)
@@ -135,7 +139,7 @@ def test_cached_decode_equals_full_prefix_decode(n_kv_heads, prompts, seed):
     # compared with the cached step i - 1, and naive step 0 with prefill's token.
     ahead_logits, ahead_tokens = None, np.asarray(state.tokens)
     for i in range(7):
-        (state, lc, ec), (naive, ln, en) = step(params, state, naive)
+        (state, lc, ec), (naive, ln, en) = step(weights, state, naive)
         if ahead_logits is not None:
             np.testing.assert_allclose(ahead_logits, np.asarray(ln), atol=3e-5, rtol=1e-5)
         np.testing.assert_array_equal(ahead_tokens, np.asarray(en), err_msg=f"step {i}")
@@ -152,15 +156,16 @@ def test_prefill_and_decode_step_equal_the_models_cached_forward():
         tokens[i, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts])
 
-    def both(params, tokens, lengths):
+    def both(weights, tokens, lengths):
+        params = weights.params
         cache = init_kv_cache(eng.cfg.model, 3, eng.max_len)
         pos = jnp.broadcast_to(jnp.arange(16), (3, 16))
         full, ref = apply(eng.graphdef, params, tokens, pos, kv_cache=cache, cache_index=pos[:, 0])
         model = nnx.merge(eng.graphdef, params)
-        last, got = prefill_forward(model, tokens, lengths, cache)
+        last, got = prefill_forward(model, weights.head, tokens, lengths, cache)
         return jnp.take_along_axis(full, (lengths - 1)[:, None, None], 1)[:, 0], ref, last, got
 
-    want, ref, last, got = jax.jit(both)(eng.params, jnp.asarray(tokens), lengths)
+    want, ref, last, got = jax.jit(both)(eng.weights(), jnp.asarray(tokens), lengths)
     np.testing.assert_allclose(np.asarray(last), np.asarray(want), atol=2e-5)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -170,11 +175,38 @@ def test_prefill_and_decode_step_equal_the_models_cached_forward():
         lambda p, c, t, q: apply(eng.graphdef, p, t[:, None], q[:, None], kv_cache=c, cache_index=q)
     )(eng.params, to_model_cache(state), state.tokens, state.pos)
     naive = eng._naive_state(prompts, [greedy(4)] * 3)
-    (new, logits, _), _ = lockstep(2)(eng.params, state, naive)  # reuse its executable
+    (new, logits, _), _ = lockstep(2)(eng.weights(), state, naive)  # reuse its executable
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits[:, 0]), atol=2e-5)
     assert ref_cache is not None
     for a, b in zip(jax.tree.leaves(to_model_cache(new)), jax.tree.leaves(ref_cache), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_weights_hold_the_lm_head_as_a_d_model_by_vocab_kernel():
+    """Tied: a transposed copy of the embedding table, rebuilt when ``params`` change.
+    Untied: the ``lm_head`` parameter itself, no copy."""
+    tied = variant_engine(1)
+    assert tied.cfg.model.tie_embeddings
+    table = np.asarray(tied.params["embed"]["table"][...])
+    head = tied.weights().head
+    assert head.shape == (tied.cfg.model.d_model, VOCAB)
+    np.testing.assert_array_equal(np.asarray(head), table.T)
+    assert tied.weights() is tied.weights()  # prepared once, not per call
+
+    params = numpy_params(tied.cfg, 7)[1]
+    fresh = np.asarray(params["embed"]["table"][...])
+    np.testing.assert_array_equal(np.asarray(tied.weights(params).head), fresh.T)
+    before = tied.params
+    try:
+        tied.params = params
+        np.testing.assert_array_equal(np.asarray(tied.weights().head), fresh.T)
+    finally:
+        tied.params = before
+    np.testing.assert_array_equal(np.asarray(tied.weights().head), table.T)
+
+    untied = main_engine()
+    assert not untied.cfg.model.tie_embeddings
+    assert untied.weights().head is untied.params["lm_head"][...]
 
 
 # ------------------------------------------------------------ ragged batches, buckets
