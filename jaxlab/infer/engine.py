@@ -604,6 +604,7 @@ class Stream:
             state = eng._prefill(weights, *args)
             first, done = jax.device_get((state.tokens, state.done))
             decode_fn = eng._decode_fn(self.chunk_tokens)
+            cur, step_args = state, weights
         else:
             bucket = None
             nstate = eng._naive_state(self.ids, samplings)
@@ -613,14 +614,13 @@ class Stream:
             nstate, first = eng._naive_prefill(params, nstate)
             first, done = jax.device_get((first, nstate.done))
             decode_fn = eng._naive_decode_fn(self.chunk_tokens)
+            cur, step_args = nstate, params
         t1 = time.perf_counter()
         prefill_s = t1 - t0
         ttft_s = t1 - t_call - compile_s
         yield self._take(np.asarray(first)[None, :], np.asarray(done))
 
         decode_s = 0.0
-        cur: Any = state if self.kv_cache else nstate
-        step_args: Any = weights if self.kv_cache else params
         while not all(r.done for r in self.rows):
             c0 = eng._compile_s()
             decode_fn.compile_for(step_args, cur)
