@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import ROOT
 
 from jaxlab.bench.record import load_records
-from jaxlab.bench.results_doc import load_all, readme_with_results, render
+from jaxlab.bench.results_doc import headline_table, load_all, readme_with_results, render
 
 
 def committed_sets():
@@ -28,3 +28,16 @@ def test_results_doc_regenerates_exactly():
     )
     readme = (ROOT / "README.md").read_text()
     assert readme_with_results(readme, recs) == readme, "README results block is stale"
+
+
+def test_the_serve_headline_comes_from_a_128_token_comparison_not_a_quick_run():
+    """The serve target is set at 128 new tokens; a later --quick set (32 tokens) must not
+    replace it in the headline."""
+    recs = load_all(committed_sets())
+    speedups = [r for r in recs if r.metric == "slots_speedup" and r.status == "ok"]
+    assert {r.case["new_tokens"] for r in speedups} >= {32, 128}
+    full = [r for r in speedups if r.case["new_tokens"] == 128]
+    rows = [line for line in headline_table(recs) if "16 slots / 1 slot" in line]
+    assert len(rows) == 1 and "new_tokens=128" in rows[0]
+    greedy = [r for r in full if r.case["sampling"] == "greedy"][-1]
+    assert f"**{greedy.stats.median:.3g}x**" in rows[0]
