@@ -118,9 +118,9 @@ def make_prefill(
     """``prefill(weights, tokens i32[B, T], lengths i32[B], sampling) -> DecodeState``.
 
     ``tokens`` are right-padded to the bucket length ``T``; row ``b`` is real up to
-    ``lengths[b]``. A fresh ``[B, max_len]`` cache is filled at slots ``0..T-1`` by the
-    model's blocks (:func:`prefill_forward`, then converted to the engine's layout), and the
-    first token is sampled (``t = 0``) from the logits at ``lengths[b] - 1``.
+    ``lengths[b]``. The model's blocks fill a fresh ``[B, T]`` cache (:func:`prefill_forward`),
+    which becomes the first ``T`` of ``max_len`` slots in the engine's layout, and the first
+    token is sampled (``t = 0``) from the logits at ``lengths[b] - 1``.
     """
 
     def prefill(
@@ -128,9 +128,13 @@ def make_prefill(
     ) -> DecodeState:
         b = tokens.shape[0]
         model = nnx.merge(graphdef, weights.params)
-        cache = init_kv_cache(model_cfg, b, max_len, cache_dtype)
+        # A cache of the bucket's length, not max_len: prefill starts at slot 0, so its
+        # queries can see no slot past the bucket. Attending over max_len slots would cost
+        # max_len / T times the attention work and copies; the engine's layout gets the
+        # rest of the slots as zeros when converting.
+        cache = init_kv_cache(model_cfg, b, tokens.shape[1], cache_dtype)
         last, cache = prefill_forward(model, weights.head, tokens, lengths, cache)
-        k, v = from_model_cache(cache)
+        k, v = from_model_cache(cache, max_len)
         zeros = jnp.zeros((b,), jnp.int32)
         tok = sample(last, sampling, zeros)
         generated, done = advance_rows(tok, jnp.ones((b,), jnp.bool_), zeros, zeros > 0, sampling)

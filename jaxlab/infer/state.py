@@ -113,14 +113,19 @@ def split_blocks(rows: Array) -> tuple[Array, ...]:
 
 
 def from_model_cache(
-    cache: KVCache,
+    cache: KVCache, max_len: int | None = None
 ) -> tuple[tuple[tuple[Array, ...], ...], tuple[tuple[Array, ...], ...]]:
     """The model's ``[B, S, K, D]`` layers -> the engine's blocks of ``[B * K, block, D]``
-    (one transpose, then static slices)."""
+    covering ``max_len >= S`` slots (default ``S``): one transpose, zeros for the slots
+    past ``S``, then static slices."""
+    cap = cache.max_len if max_len is None else max_len
+    if cap < cache.max_len:
+        raise ValueError(f"max_len {cap} is shorter than the cache ({cache.max_len} slots)")
 
     def f(a: Array) -> tuple[Array, ...]:
         b, s, k, d = a.shape
-        return split_blocks(jnp.transpose(a, (0, 2, 1, 3)).reshape(b * k, s, d))
+        rows = jnp.transpose(a, (0, 2, 1, 3)).reshape(b * k, s, d)
+        return split_blocks(jnp.pad(rows, ((0, 0), (0, cap - s), (0, 0))))
 
     return tuple(f(a) for a in cache.k), tuple(f(a) for a in cache.v)
 

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +23,10 @@ from jaxlab.infer.state import (
     N_BLOCKS,
     block_starts,
     cache_blocks,
+    from_model_cache,
     split_blocks,
 )
+from jaxlab.model import KVCache
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 B, H, K, D, S = 3, 4, 2, 8, 256  # GQA: 2 query heads per kv head
@@ -110,3 +113,28 @@ def check_against_dense(pos: list[int], seed: int) -> None:
     np.testing.assert_allclose(
         np.asarray(got), dense_attention(q, k_ref, v_ref, p), rtol=2e-5, atol=2e-5
     )
+
+
+@given(filled=st.integers(1, 96), extra=st.integers(0, 200), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None, derandomize=True)
+def test_a_prefill_cache_becomes_the_first_slots_of_the_engine_layout(
+    filled: int, extra: int, seed: int
+) -> None:
+    """Prefill's cache of ``filled`` slots (the bucket) -> blocks over ``max_len`` slots:
+    kv-head-major rows, the prefill's slots first, zeros after them."""
+    rng = np.random.default_rng(seed)
+    max_len = filled + extra
+    k = rng.standard_normal((2, filled, K, D), dtype=np.float32)
+    v = rng.standard_normal((2, filled, K, D), dtype=np.float32)
+    kb, vb = from_model_cache(KVCache(k=(jnp.asarray(k),), v=(jnp.asarray(v),)), max_len)
+    for blocks, src in ((kb[0], k), (vb[0], v)):
+        assert tuple(b.shape[1] for b in blocks) == cache_blocks(max_len)
+        want = np.zeros((2 * K, max_len, D), np.float32)
+        want[:, :filled] = src.transpose(0, 2, 1, 3).reshape(2 * K, filled, D)
+        np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in blocks], 1), want)
+
+
+def test_a_prefill_cache_longer_than_max_len_is_refused() -> None:
+    a = jnp.zeros((1, 8, K, D))
+    with pytest.raises(ValueError, match="shorter than the cache"):
+        from_model_cache(KVCache(k=(a,), v=(a,)), 4)

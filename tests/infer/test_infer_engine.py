@@ -147,8 +147,8 @@ def test_cached_decode_equals_full_prefix_decode(n_kv_heads, prompts, seed):
 
 
 def test_prefill_and_decode_step_equal_the_models_cached_forward():
-    """Prefill (head only at the last positions) and the fused decode step == ``model.apply``
-    with the model's own KV cache layout."""
+    """Prefill (head only at the last positions, a bucket-length cache) and the fused decode
+    step == ``model.apply`` with the model's own KV cache layout."""
     eng = main_engine()
     prompts = [[5, 6, 7], [9] * 11, [1, 2]]
     tokens = np.zeros((3, 16), np.int32)
@@ -170,7 +170,15 @@ def test_prefill_and_decode_step_equal_the_models_cached_forward():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    # The engine's prefill runs over a cache of the bucket's 16 slots, not max_len: the
+    # same cache (zeros past the bucket) and the same first tokens as the model's forward
+    # over every slot.
     state, _ = eng.prefill_batch(prompts, [greedy(4)] * 3, bucket=16)
+    assert eng.max_len > 16
+    for a, b in zip(jax.tree.leaves(to_model_cache(state)), jax.tree.leaves(ref), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.tokens), np.argmax(np.asarray(want), -1))
     ref_logits, ref_cache = jax.jit(
         lambda p, c, t, q: apply(eng.graphdef, p, t[:, None], q[:, None], kv_cache=c, cache_index=q)
     )(eng.params, to_model_cache(state), state.tokens, state.pos)
