@@ -7,7 +7,8 @@ The scheduler owns a batched :class:`~jaxlab.infer.state.DecodeState` of ``slots
     admit: while a slot is free and a request waits -> prefill (bucketed) -> insert
            (requests admitted together go in groups of ``prefill_batch`` and the
            powers of two below it: one ragged prefill and one ``insert_rows`` per group;
-           a request takes the lowest free slot)
+           a request takes the lowest free slot; requests that arrive during these
+           prefills are admitted too, before the next chunk: prefill goes first)
     one generate_chunk(k) over the slots       (one jitted while_loop, <= k tokens each;
                                                 rows past the last busy slot skipped)
     route the *previous* chunk's tokens to their requests; free the finished slots
@@ -455,20 +456,16 @@ class Scheduler:
                 if self._stop:
                     break
                 dropped = self._reap_waiting()
-                admit: list[RequestHandle] = []
-                if not self._admission_paused:
-                    free = self._running.count(None)
-                    while free > len(admit) and self._waiting:
-                        admit.append(self._waiting.popleft())
+                admit = self._take_admissible()
             for h, err in dropped:
                 self._finish(h, error=err)
             self._reap_running()
-            self._admit_all(admit)
+            admitted = self._admit_until_full(admit)
             if self.num_running and time.perf_counter() >= self._next_chunk_at:
                 self._decode_chunk()
             elif self._inflight is not None:
                 self._route_inflight()
-            elif not admit and not dropped:
+            elif not admitted and not dropped:
                 self._update_gauges()
                 with self._cv:
                     can_admit = (
@@ -522,6 +519,39 @@ class Scheduler:
         except Exception:  # the state is unusable: start from a fresh one
             log.exception("freeing slot %d failed; resetting the decode state", slot)
             self._reset_state()
+
+    def _take_admissible(self) -> list[RequestHandle]:
+        """Pop as many waiting requests as there are free slots (caller holds the lock)."""
+        admit: list[RequestHandle] = []
+        if not self._admission_paused:
+            free = self._running.count(None)
+            while free > len(admit) and self._waiting:
+                admit.append(self._waiting.popleft())
+        return admit
+
+    def _admit_until_full(self, admit: list[RequestHandle]) -> int:
+        """Admit ``admit``, then whatever arrived during its prefills, until the queue is
+        empty or no slot is free; returns how many requests were taken.
+
+        Prefill goes before the next decode chunk (as vLLM's scheduler prefers prefills):
+        a request that arrives while others are being prefilled joins them now instead of
+        one chunk later. In a closed loop a wave of finished slots is refilled over a few
+        milliseconds; admitted in one go, the wave's rows decode, and finish, together.
+        Admitted one chunk apart, the late rows are still decoding when the rest finish,
+        and the tail chunk computes every row for them. Bounded: each pass fills slots.
+        """
+        taken = 0
+        while admit:
+            taken += len(admit)
+            self._admit_all(admit)
+            with self._cv:
+                if self._stop:
+                    break
+                dropped = self._reap_waiting()
+                admit = self._take_admissible()
+            for h, err in dropped:
+                self._finish(h, error=err)
+        return taken
 
     def _admit_all(self, admit: list[RequestHandle]) -> None:
         """Prefill and insert ``admit`` (at most the free slots' number of requests)."""

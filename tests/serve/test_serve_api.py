@@ -753,6 +753,55 @@ def test_three_admitted_together_go_as_a_pair_and_a_single(server, engine, run_d
     assert engine.compiles == s.compiles_after_warmup
 
 
+def test_requests_arriving_during_a_prefill_are_admitted_before_the_next_chunk(
+    server, engine, run_dir, cfg
+):
+    """Prefill goes first: two requests that arrive while the first is being prefilled
+    (submitted from inside its prefill) are prefilled before any decode chunk runs, so
+    all three decode together from their first chunk, each equal to offline generation."""
+    from jaxlab.infer.engine import Engine, Request
+    from jaxlab.infer.sampling import SamplingParams
+    from jaxlab.serve.scheduler import GenRequest
+
+    s = sched(server)
+    wait_until(lambda: s.idle)
+    first = ([31] * 6, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    later = [
+        ([32] * 9, SamplingParams(max_new_tokens=10, temperature=0.8, seed=3, ignore_eos=True)),
+        ([33] * 4, SamplingParams(max_new_tokens=11, ignore_eos=True)),
+    ]
+    reference = Engine.from_run_dir(run_dir, cfg=cfg)
+    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in [first, *later]]
+    calls: list[str] = []
+    late_handles: list[Any] = []
+    prefill_batch, generate_chunk = engine.prefill_batch, engine.generate_chunk
+
+    def prefill(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(f"prefill {len(prompts)}")
+        if not late_handles:  # the others arrive while this one is being prefilled
+            late_handles.extend(s.submit(GenRequest(list(ids), sp)) for ids, sp in later)
+        return prefill_batch(prompts, *args, **kwargs)
+
+    def chunk(*args: Any, **kwargs: Any) -> Any:
+        calls.append("chunk")
+        return generate_chunk(*args, **kwargs)
+
+    engine.prefill_batch, engine.generate_chunk = prefill, chunk
+    try:
+        handles = [s.submit(GenRequest(list(first[0]), first[1]))]
+        wait_until(lambda: len(late_handles) == 2)
+        handles += late_handles
+        for h in handles:
+            while h.get(timeout=60).kind == "tokens":
+                pass
+    finally:
+        del engine.prefill_batch, engine.generate_chunk
+    assert calls[:2] == ["prefill 1", "prefill 2"], calls
+    assert "prefill" not in " ".join(calls[2:]), calls
+    assert [h.token_ids for h in handles] == expected
+    assert engine.compiles == s.compiles_after_warmup
+
+
 def test_zz_nothing_compiled_while_serving(server, engine):
     """Runs last in the module: all the traffic above compiled nothing new."""
     warm = sched(server).compiles_after_warmup
