@@ -520,12 +520,15 @@ class Scheduler:
             log.exception("freeing slot %d failed; resetting the decode state", slot)
             self._reset_state()
 
-    def _take_admissible(self) -> list[RequestHandle]:
-        """Pop as many waiting requests as there are free slots (caller holds the lock)."""
+    def _take_admissible(self, limit: int | None = None) -> list[RequestHandle]:
+        """Pop as many waiting requests as there are free slots, at most ``limit`` (caller
+        holds the lock)."""
         admit: list[RequestHandle] = []
         if not self._admission_paused:
-            free = self._running.count(None)
-            while free > len(admit) and self._waiting:
+            n = self._running.count(None)
+            if limit is not None:
+                n = min(n, limit)
+            while n > len(admit) and self._waiting:
                 admit.append(self._waiting.popleft())
         return admit
 
@@ -538,7 +541,9 @@ class Scheduler:
         one chunk later. In a closed loop a wave of finished slots is refilled over a few
         milliseconds; admitted in one go, the wave's rows decode, and finish, together.
         Admitted one chunk apart, the late rows are still decoding when the rest finish,
-        and the tail chunk computes every row for them. Bounded: each pass fills slots.
+        and the tail chunk computes every row for them. At most ``slots`` requests per
+        call: requests that finish in prefill take no slot, and a stream of them must not
+        starve the requests that are decoding.
         """
         taken = 0
         while admit:
@@ -548,7 +553,7 @@ class Scheduler:
                 if self._stop:
                     break
                 dropped = self._reap_waiting()
-                admit = self._take_admissible()
+                admit = self._take_admissible(limit=self.slots - taken)
             for h, err in dropped:
                 self._finish(h, error=err)
         return taken

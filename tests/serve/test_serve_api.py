@@ -802,6 +802,46 @@ def test_requests_arriving_during_a_prefill_are_admitted_before_the_next_chunk(
     assert engine.compiles == s.compiles_after_warmup
 
 
+def test_requests_done_in_prefill_cannot_starve_decoding(server, engine):
+    """Prefill goes first, but boundedly: one-token requests (done in prefill, they take no
+    slot) that keep arriving during each other's prefills are admitted at most ``slots``
+    per iteration, so the request that is decoding still advances between them."""
+    from jaxlab.infer.sampling import SamplingParams
+    from jaxlab.serve.scheduler import GenRequest
+
+    s = sched(server)
+    wait_until(lambda: s.idle)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    calls: list[str] = []
+    flood: list[Any] = []
+    prefill_batch, generate_chunk = engine.prefill_batch, engine.generate_chunk
+
+    def prefill(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("prefill")
+        if calls.count("chunk") and len(flood) < 12:  # the next one arrives meanwhile
+            flood.append(s.submit(GenRequest([41] * 3, one)))
+        return prefill_batch(prompts, *args, **kwargs)
+
+    def chunk(*args: Any, **kwargs: Any) -> Any:
+        calls.append("chunk")
+        if len(flood) == 0:
+            flood.append(s.submit(GenRequest([41] * 3, one)))
+        return generate_chunk(*args, **kwargs)
+
+    engine.prefill_batch, engine.generate_chunk = prefill, chunk
+    try:
+        long = s.submit(GenRequest([40] * 5, SamplingParams(max_new_tokens=90, ignore_eos=True)))
+        while long.get(timeout=60).kind == "tokens":
+            pass
+        wait_until(lambda: len(flood) == 12 and all(h.finished for h in flood))
+    finally:
+        del engine.prefill_batch, engine.generate_chunk
+    assert all(h.finish_reason == "length" and len(h.token_ids) == 1 for h in flood)
+    runs = "".join("p" if c == "prefill" else "c" for c in calls).split("c")
+    assert max(len(r) for r in runs) <= s.slots, calls
+    assert len(long.token_ids) == 90
+
+
 def test_zz_nothing_compiled_while_serving(server, engine):
     """Runs last in the module: all the traffic above compiled nothing new."""
     warm = sched(server).compiles_after_warmup
