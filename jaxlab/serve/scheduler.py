@@ -456,7 +456,7 @@ class Scheduler:
                 if self._stop:
                     break
                 dropped = self._reap_waiting()
-                admit = self._take_admissible()
+                admit = self._take_admissible(limit=self.slots)
             for h, err in dropped:
                 self._finish(h, error=err)
             self._reap_running()
@@ -520,14 +520,12 @@ class Scheduler:
             log.exception("freeing slot %d failed; resetting the decode state", slot)
             self._reset_state()
 
-    def _take_admissible(self, limit: int | None = None) -> list[RequestHandle]:
+    def _take_admissible(self, limit: int) -> list[RequestHandle]:
         """Pop as many waiting requests as there are free slots, at most ``limit`` (caller
         holds the lock)."""
         admit: list[RequestHandle] = []
         if not self._admission_paused:
-            n = self._running.count(None)
-            if limit is not None:
-                n = min(n, limit)
+            n = min(self._running.count(None), limit)
             while n > len(admit) and self._waiting:
                 admit.append(self._waiting.popleft())
         return admit
