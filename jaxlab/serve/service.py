@@ -9,6 +9,7 @@ thread, which loads the model (``loading``), warms every compiled function
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -28,6 +29,38 @@ if TYPE_CHECKING:
 log = logging.getLogger("jaxlab.serve")
 
 EngineLoader = Callable[[], "Engine"]
+
+# Services in this process whose startup heap is frozen (see :func:`_freeze_startup_heap`).
+_frozen_services = 0
+_frozen_lock = threading.Lock()
+
+
+def _freeze_startup_heap() -> None:
+    """Collect once, then move every live object into the collector's permanent generation.
+
+    A warmed server holds about 400k GC-tracked objects (jax's tracing and compile caches,
+    flax modules, the tokenizer), all alive for the life of the process. Every full
+    (generation-2) collection walks them all: measured on bench-small, 205-240 ms with the
+    engine thread and the event loop both stopped (it holds the GIL), which lands as a
+    200+ ms stall in someone's TTFT. Frozen, a full collection walks only what was
+    allocated since (0.0 ms right after the freeze). Objects that die later by reference
+    counting are still freed; only cyclic garbage among the frozen objects is kept.
+    """
+    global _frozen_services
+    with _frozen_lock:
+        gc.collect()
+        gc.freeze()
+        _frozen_services += 1
+
+
+def _thaw_startup_heap() -> None:
+    """Undo one :func:`_freeze_startup_heap`; the last service stopping unfreezes the heap
+    (a process that starts and stops services, like tests or the bench, leaks nothing)."""
+    global _frozen_services
+    with _frozen_lock:
+        _frozen_services -= 1
+        if _frozen_services == 0:
+            gc.unfreeze()
 
 
 def run_dir_loader(run_dir: str | Path, step: int | None, cfg: JaxlabConfig) -> EngineLoader:
@@ -67,6 +100,7 @@ class ModelService:
         self._thread: threading.Thread | None = None
         self._stop_requested = False
         self._compiles_tracked = False
+        self._heap_frozen = False
 
     @classmethod
     def from_run_dir(
@@ -116,6 +150,14 @@ class ModelService:
         self._thread.start()
 
     def _main(self) -> None:
+        try:
+            self._load_warm_serve()
+        finally:  # only this thread freezes and thaws, so the flag needs no lock
+            if self._heap_frozen:
+                self._heap_frozen = False
+                _thaw_startup_heap()
+
+    def _load_warm_serve(self) -> None:
         lc = self.lifecycle
         try:
             lc.to(ModelState.LOADING)
@@ -147,6 +189,8 @@ class ModelService:
             if self._stop_requested:
                 lc.to(ModelState.STOPPED)
                 return
+            _freeze_startup_heap()
+            self._heap_frozen = True
             lc.to(ModelState.READY)
         except Exception as e:
             log.error("model failed to load: %s", e)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import random
 import threading
@@ -403,6 +404,20 @@ def test_error_paths_are_openai_shaped_and_never_500(server):
         k[0] == "jaxlab_requests_total" and dict(k[1])["status"].startswith("5") and v
         for k, v in m.items()
     )
+
+
+def test_a_ready_server_has_frozen_its_startup_heap_and_thaws_it_on_stop(engine, cfg):
+    """A full collection skips what the server built before ``ready`` (see
+    ``jaxlab.serve.service._freeze_startup_heap``), and stopping gives the freeze back."""
+    from jaxlab.serve import service
+
+    before = service._frozen_services
+    with serving(engine, cfg) as srv:
+        tracked = {id(o) for o in gc.get_objects()}
+        assert gc.get_freeze_count() > 0
+        assert id(sched(srv)) not in tracked and id(srv.service) not in tracked
+        assert service._frozen_services == before + 1
+    assert service._frozen_services == before
 
 
 def test_a_bug_is_still_a_json_500(engine, cfg, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -227,3 +229,20 @@ def test_split_admission_covers_every_request_with_the_fewest_largest_groups(bat
     full, rest = divmod(n, batch)
     assert groups[:full] == [batch] * full
     assert groups[full:] == [b for b in sizes[::-1] if b < batch and rest & b][::-1]
+
+
+def test_heap_freezes_nest_and_the_last_thaw_unfreezes():
+    from jaxlab.serve import service
+
+    assert service._frozen_services == 0, "a server from an earlier test is still running"
+    probe = [object()]  # a list: tracked by the collector
+    service._freeze_startup_heap()
+    service._freeze_startup_heap()
+    try:
+        assert not any(o is probe for o in gc.get_objects())
+        service._thaw_startup_heap()
+        assert gc.get_freeze_count() > 0  # one service is still serving
+    finally:
+        service._thaw_startup_heap()
+    assert gc.get_freeze_count() == 0
+    assert any(o is probe for o in gc.get_objects())
