@@ -15,7 +15,9 @@ Cases:
 - ``slots_speedup``: output tokens/s of 16 slots over 1 slot (the serialized design),
   both closed-loop at concurrency 16 (target >= 4x), greedy and sampled.
 
-Records per case: ``e2e_s`` (derived: requests/s, output tokens/s, errors, TTFT p99),
+Records per case: ``e2e_s`` (derived: requests/s, output tokens/s, errors, TTFT p99 and,
+with the server in-process, ``process_cpu_cores``: CPU seconds of the whole process,
+engine, HTTP and clients, per wall second, beside ``cpu_count``),
 ``ttft_s``, ``tpot_s`` and ``itl_s`` (gaps between SSE events; one event carries up to
 ``inference.stream_chunk_tokens`` tokens). Tails follow the harness rule (withheld under
 ``bench.min_samples_for_tails`` samples).
@@ -79,6 +81,13 @@ def _p(values: list[float], q: float, min_n: int) -> float | None:
     if len(values) < min_n:
         return None
     return percentile(sorted(values), q / 100)
+
+
+def _cpu(load: LoadResult, in_process: bool) -> dict[str, Any]:
+    """Cores kept busy: only meaningful when server and clients share this process."""
+    if not in_process or not load.wall_s > 0:
+        return {}
+    return {"process_cpu_cores": load.cpu_s / load.wall_s, "cpu_count": os.cpu_count()}
 
 
 def _records(
@@ -159,7 +168,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
             load = run(url, n, c, seed=c)
             if c == COMPARE_CONCURRENCY and load.ok:
                 capacity = load.requests_per_s
-            yield from _records(ctx, load, case, {"sampling": "greedy"})
+            yield from _records(ctx, load, case, {"sampling": "greedy", **_cpu(load, not external)})
         if capacity:
             n = 16 if ctx.quick else 48
             for frac in [0.7] if ctx.quick else [0.5, 0.9]:
@@ -167,7 +176,9 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                 case = {"mode": "poisson", "load": frac, "slots": slots_label, **base}
                 ctx.status(f"Poisson arrivals at {rate:.2f} req/s")
                 load = poisson(url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key)
-                yield from _records(ctx, load, case, {"rate_per_s": rate})
+                yield from _records(
+                    ctx, load, case, {"rate_per_s": rate, **_cpu(load, not external)}
+                )
         if external:
             ctx.status(f"{URL_ENV} set: skipping the 16-slot vs 1-slot comparison")
             return
@@ -194,7 +205,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                         "round": rep,
                         **base,
                     }
-                    yield from _records(ctx, load, case)
+                    yield from _records(ctx, load, case, _cpu(load, True))
             yield _speedup(ctx, results[SWEEP_SLOTS], results[1], sampling, base)
 
 
@@ -229,6 +240,8 @@ def _speedup(
             "requests_per_s": sum(r.requests_per_s for r in many) / len(many),
             "ttft_p99_s": _p(ttft_many, 99, n_min),
             "ttft_p99_s_1slot": _p(ttft_one, 99, n_min),
+            "process_cpu_cores": sum(r.cpu_s / r.wall_s for r in many) / len(many),
+            "process_cpu_cores_1slot": sum(r.cpu_s / r.wall_s for r in one) / len(one),
             "errors": sum(r.errors for r in [*many, *one]),
             "target": TARGET_SPEEDUP,
             "meets_target": min(ratios) >= TARGET_SPEEDUP,

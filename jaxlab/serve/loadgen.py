@@ -55,10 +55,16 @@ class RequestResult:
 
 @dataclass
 class LoadResult:
-    """All requests of one run and the wall time from the first send to the last answer."""
+    """All requests of one run and the wall time from the first send to the last answer.
+
+    ``cpu_s`` is this process's CPU time (every thread, ``time.process_time``) over the same
+    interval: with the server in-process, ``cpu_s / wall_s`` says how many cores the whole
+    stack kept busy, clients included.
+    """
 
     results: list[RequestResult]
     wall_s: float
+    cpu_s: float = float("nan")
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -196,10 +202,10 @@ async def closed_loop_async(
             while todo:
                 results.append(await one_request(client, todo.pop()))
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return LoadResult(results, wall)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return LoadResult(results, wall, cpu)
 
 
 async def poisson_async(
@@ -213,7 +219,7 @@ async def poisson_async(
 ) -> LoadResult:
     rng = random.Random(seed)
     async with _client(url, api_key, max(len(bodies), 1), timeout_s) as client:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tasks = []
         t_next = 0.0
         for body in bodies:
@@ -223,8 +229,8 @@ async def poisson_async(
             tasks.append(asyncio.ensure_future(one_request(client, body)))
             t_next += rng.expovariate(rate_per_s)
         results = list(await asyncio.gather(*tasks))
-        wall = time.perf_counter() - t0
-    return LoadResult(results, wall)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return LoadResult(results, wall, cpu)
 
 
 def closed_loop(
