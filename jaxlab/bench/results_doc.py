@@ -33,8 +33,12 @@ EXPLAIN: dict[str, tuple[str, str]] = {
         "the host in parallel with the step and are not part of these samples.",
     ),
     "checkpoint": (
-        "Orbax save (sync, and the blocking part of an async save), restore, and one train "
-        "step with an async save in flight.",
+        "Orbax save (sync; the blocking part of an async save, and the same save until "
+        "durable), restore, and one train step with and without an async save in flight. "
+        "Record sets whose step case reads `async save started, then step, then wait` predate "
+        "a fix: each of their async samples also waited for the previous save to finish "
+        "(Orbax serialises saves), so their blocking part is a whole save and that step time "
+        "includes one.",
         "Durability on other filesystems. These numbers come from a local disk.",
     ),
     "compile": (

@@ -69,11 +69,15 @@ def measure(
     repeats: int,
     sync: Callable[[Any], Any] = block_until_ready,
     clock: Callable[[], float] = time.perf_counter,
+    before: Callable[[], Any] | None = None,
 ) -> Samples:
     """Time ``repeats`` calls of ``fn`` (each followed by ``sync`` on its result).
 
     ``warmup`` calls come first and are not timed (but are synced, so queued work cannot
-    leak into the first timed sample).
+    leak into the first timed sample). ``before``, when given, runs ahead of every call,
+    warm-up included, outside the timed region: it settles what the previous call left
+    behind (e.g. waits for an async save to finish, so the next sample does not time
+    that wait) or starts work that the timed call must overlap with.
     """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"measure: need warmup >= 0 and repeats >= 1 (got {warmup}, {repeats})")
@@ -82,9 +86,13 @@ def measure(
     try:
         for i in range(warmup):
             where = f"warm-up call {i + 1} of {warmup}"
+            if before is not None:
+                before()
             sync(fn())
         for i in range(repeats):
             where = f"repetition {i + 1} of {repeats}"
+            if before is not None:
+                before()
             t0 = clock()
             sync(fn())
             times.append(clock() - t0)

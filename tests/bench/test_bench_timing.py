@@ -44,6 +44,22 @@ def test_sync_happens_inside_the_timed_region():
     assert s.times_s == [1.0, 1.0]
 
 
+def test_before_runs_ahead_of_every_call_outside_the_timed_region():
+    clock = FakeClock(step=1.0)
+    events: list[tuple[str, float]] = []
+
+    def before():
+        clock.t += 100.0  # a long wait that must not show in any sample
+        events.append(("before", clock.t))
+
+    def fn():
+        events.append(("call", clock.t))
+
+    s = measure(fn, warmup=1, repeats=2, sync=no_sync, clock=clock, before=before)
+    assert [e for e, _ in events] == ["before", "call"] * 3, "warm-up included"
+    assert s.times_s == [1.0, 1.0], "only the call is timed"
+
+
 def test_exception_becomes_a_failure_with_partial_samples():
     n = {"calls": 0}
 
