@@ -47,6 +47,30 @@ def run_peer(python: str, spec: dict[str, Any], timeout_s: float = 1800) -> dict
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+PEER_INSTALL = "python -m venv peer && peer/bin/pip install torch==2.13.0 transformers"
+
+
+def peer_problem(python: str) -> str | None:
+    """Why ``python`` cannot run the peer (None when it can): checked once, up front, so a
+    wrong ``bench.peer_python`` is one clear failure rather than a traceback per case."""
+    fix = f"point bench.peer_python at a Python with both ({PEER_INSTALL})"
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import torch, transformers"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except OSError as e:
+        return f"bench.peer_python = {python!r} cannot be run ({e.strerror or e}); {fix}"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return (
+            f"bench.peer_python = {python!r} cannot import torch and transformers ({last}); {fix}"
+        )
+    return None
+
+
 def _median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
@@ -70,9 +94,13 @@ def peer_suite(ctx: BenchContext) -> Iterator[Record]:
         yield ctx.failure(
             "peer",
             "bench.peer_python is not set: point it at a Python with "
-            "torch and transformers (see docs/benchmarking.md)",
+            f"torch and transformers ({PEER_INSTALL})",
             case=shape_case,
         )
+        return
+    problem = peer_problem(python)
+    if problem:
+        yield ctx.failure("peer", problem, case=shape_case)
         return
     cfg = gpt2_like(ctx.config)
     m = cfg.model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -173,3 +174,27 @@ def test_a_failed_record_exits_1_after_writing_everything(tmp_path, capsys, monk
     statuses = [r.status for r in load_records(run_dir)]
     assert statuses == ["ok", "failed"]
     assert (run_dir / "summary.md").is_file() and (run_dir / "summary.csv").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("python", "says"),
+    [
+        ("", "bench.peer_python is not set"),
+        ("/nonexistent/bin/python", "cannot be run (No such file or directory)"),
+        (sys.executable, "cannot import torch and transformers (ModuleNotFoundError"),
+    ],
+    ids=["unset", "missing", "no-torch"],
+)
+def test_peer_without_a_usable_peer_python_is_one_clear_failure(tmp_path, python, says):
+    """This environment has no torch (a test dependency it would be far too big to be)."""
+    sets = ["--set", f"bench.peer_python={python}"] if python else []
+    r = run_cli("bench", "peer", "--quick", *sets, "--out", str(tmp_path), "--json")
+    assert r.returncode == 1, r.stderr
+    records = load_records(only_run_dir(tmp_path))
+    peer = [rec for rec in records if rec.suite == "peer"]
+    assert len(peer) == 1 and peer[0].status == "failed", "checked once, before any case runs"
+    error = peer[0].error or ""
+    assert says in error and "torch==2.13.0 transformers" in error, error
+    assert "Traceback" not in error
+    assert all(rec.status == "ok" for rec in records if rec.suite == "peak")
