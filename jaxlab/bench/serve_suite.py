@@ -83,16 +83,16 @@ def _p(values: list[float], q: float, min_n: int) -> float | None:
     return percentile(sorted(values), q / 100)
 
 
-def _cpu(load: LoadResult, in_process: bool) -> dict[str, Any]:
-    """Cores kept busy: only meaningful when server and clients share this process."""
-    if not in_process or not load.wall_s > 0:
-        return {}
-    return {"process_cpu_cores": load.cpu_s / load.wall_s, "cpu_count": os.cpu_count()}
-
-
 def _records(
-    ctx: BenchContext, load: LoadResult, case: dict[str, Any], extra: dict[str, Any] | None = None
+    ctx: BenchContext,
+    load: LoadResult,
+    case: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    *,
+    in_process: bool,
 ) -> Iterator[Record]:
+    """The case's records. ``in_process``: server and clients share this process, so its
+    CPU time is the whole stack's and ``process_cpu_cores`` means something."""
     from jaxlab.bench.stats import median
 
     n_min = ctx.min_samples_for_tails
@@ -113,6 +113,8 @@ def _records(
         "ttft_p99_s": _p(ttft, 99, n_min),
         **(extra or {}),
     }
+    if in_process:
+        derived |= {"process_cpu_cores": load.cpu_cores, "cpu_count": os.cpu_count()}
     yield ctx.record("e2e_s", "s", load.samples("e2e_s"), case=case, derived=derived)
     for metric in ("ttft_s", "tpot_s", "itl_s"):
         samples = load.samples(metric)
@@ -168,7 +170,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
             load = run(url, n, c, seed=c)
             if c == COMPARE_CONCURRENCY and load.ok:
                 capacity = load.requests_per_s
-            yield from _records(ctx, load, case, {"sampling": "greedy", **_cpu(load, not external)})
+            yield from _records(ctx, load, case, {"sampling": "greedy"}, in_process=not external)
         if capacity:
             n = 16 if ctx.quick else 48
             for frac in [0.7] if ctx.quick else [0.5, 0.9]:
@@ -176,9 +178,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                 case = {"mode": "poisson", "load": frac, "slots": slots_label, **base}
                 ctx.status(f"Poisson arrivals at {rate:.2f} req/s")
                 load = poisson(url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key)
-                yield from _records(
-                    ctx, load, case, {"rate_per_s": rate, **_cpu(load, not external)}
-                )
+                yield from _records(ctx, load, case, {"rate_per_s": rate}, in_process=not external)
         if external:
             ctx.status(f"{URL_ENV} set: skipping the 16-slot vs 1-slot comparison")
             return
@@ -205,7 +205,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                         "round": rep,
                         **base,
                     }
-                    yield from _records(ctx, load, case, _cpu(load, True))
+                    yield from _records(ctx, load, case, in_process=True)
             yield _speedup(ctx, results[SWEEP_SLOTS], results[1], sampling, base)
 
 
@@ -240,8 +240,8 @@ def _speedup(
             "requests_per_s": sum(r.requests_per_s for r in many) / len(many),
             "ttft_p99_s": _p(ttft_many, 99, n_min),
             "ttft_p99_s_1slot": _p(ttft_one, 99, n_min),
-            "process_cpu_cores": sum(r.cpu_s / r.wall_s for r in many) / len(many),
-            "process_cpu_cores_1slot": sum(r.cpu_s / r.wall_s for r in one) / len(one),
+            "process_cpu_cores": sum(r.cpu_cores for r in many) / len(many),
+            "process_cpu_cores_1slot": sum(r.cpu_cores for r in one) / len(one),
             "errors": sum(r.errors for r in [*many, *one]),
             "target": TARGET_SPEEDUP,
             "meets_target": min(ratios) >= TARGET_SPEEDUP,

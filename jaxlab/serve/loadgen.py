@@ -86,6 +86,11 @@ class LoadResult:
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
 
+    @property
+    def cpu_cores(self) -> float:
+        """CPU seconds per wall second: how many cores the process kept busy."""
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else float("nan")
+
     def samples(self, name: str) -> list[float]:
         """Per-request ``ttft_s``, ``tpot_s``, ``e2e_s``; per-event ``itl_s``."""
         if name == "itl_s":
