@@ -178,6 +178,7 @@ class BenchContext:
         warmup: int | None = None,
         repeats: int | None = None,
         sync: Callable[[Any], Any] = block_until_ready,
+        before: Callable[[], Any] | None = None,
     ) -> Record:
         """Measure ``fn`` (see :func:`jaxlab.bench.timing.measure`) and build its record.
 
@@ -193,6 +194,7 @@ class BenchContext:
             warmup=self.warmup() if warmup is None else warmup,
             repeats=self.repeats() if repeats is None else repeats,
             sync=sync,
+            before=before,
         )
         derived: Mapping[str, Any] = {}
         if samples.ok and derive is not None:

@@ -10,7 +10,7 @@ and the records carry the compile counts so a compile inside a timed call is vis
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxlab.bench.context import BenchContext
@@ -41,6 +41,7 @@ def generation_record(
     *,
     kv_cache: bool,
     extra: dict[str, Any] | None = None,
+    before: Callable[[], Any] | None = None,
 ) -> Record:
     from jaxlab.infer.measure import measure_generate
     from jaxlab.model import flops_per_token
@@ -62,6 +63,7 @@ def generation_record(
             kv_cache=kv_cache,
             repeats=ctx.repeats(quick_cap=3),
             warmup=1,
+            before=before,
         )
     except Exception as e:
         return ctx.failure("generate_s", e, case=case)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxlab.bench.context import BenchContext
@@ -84,7 +84,14 @@ def train_cases(cfg: JaxlabConfig, quick: bool) -> list[tuple[int, int]]:
     return cases
 
 
-def train_record(ctx: BenchContext, cfg: JaxlabConfig, batch: int, accum: int) -> Record:
+def train_record(
+    ctx: BenchContext,
+    cfg: JaxlabConfig,
+    batch: int,
+    accum: int,
+    before: Callable[[], Any] | None = None,
+) -> Record:
+    """The train step's record; ``before`` runs untimed ahead of every call (see ``measure``)."""
     from jaxlab.model import flops_per_token
 
     case = {
@@ -110,7 +117,7 @@ def train_record(ctx: BenchContext, cfg: JaxlabConfig, batch: int, accum: int) -
             **ctx.mfu(fpt * tps, dtype=cfg.train.precision.compute_dtype),
         }
 
-    return ctx.bench("step_time", runner, case=case, derive=derive)
+    return ctx.bench("step_time", runner, case=case, derive=derive, before=before)
 
 
 @suite(

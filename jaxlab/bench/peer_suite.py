@@ -4,23 +4,27 @@ eager, CPU), same shapes, in one benchmark run.
 jaxlab runs its GPT-2-like variant (GELU MLP of ``d_mlp``, learned positions, tied
 embeddings), so both sides do the same FLOPs per token; records say which variant ran.
 The peer runs under ``bench.peer_python`` (a Python with torch + transformers) via
-``jaxlab/bench/peers/hf_gpt2.py``; its raw per-repetition timings become ordinary records.
-Ratios are computed from medians measured in this same run.
+``jaxlab/bench/peers/hf_gpt2.py``, one process for the whole suite (``PeerSession``); its
+raw per-repetition timings become ordinary records. The two sides' repetitions alternate
+(peer, jaxlab, peer, jaxlab, ...), so every ratio compares medians taken under the same
+machine conditions, and each pair's own ratio is recorded beside it (``pair_ratios``).
 
     jaxlab bench peer --config bench-small --set bench.peer_python=/path/to/venv/bin/python
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from jaxlab.bench.context import BenchContext
+from jaxlab.bench.peer_session import PeerSession
 from jaxlab.bench.record import Record
 from jaxlab.bench.suites import suite
+from jaxlab.bench.timing import describe_error
 from jaxlab.config import JaxlabConfig
 
 
@@ -33,18 +37,43 @@ def gpt2_like(cfg: JaxlabConfig) -> JaxlabConfig:
     return out
 
 
-def run_peer(python: str, spec: dict[str, Any], timeout_s: float = 1800) -> dict[str, Any]:
+#: Untimed pause on each side of a peer repetition, so that neither side's worker threads
+#: (OpenMP's in torch, XLA's pool) are still spinning down when the other's timed call starts.
+SETTLE_S = 0.05
+
+
+def peer_script() -> Path:
     from jaxlab.bench.peers import hf_gpt2
 
-    proc = subprocess.run(
-        [python, str(Path(hf_gpt2.__file__)), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"peer exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return Path(hf_gpt2.__file__)
+
+
+class PeerTurns:
+    """``before=`` hook that runs one timed peer repetition of ``key`` ahead of each of
+    jaxlab's calls, so the two sides' samples alternate: peer, jaxlab, peer, jaxlab, ...
+
+    A peer failure is kept (``error``) and ends the peer's turns; jaxlab's side goes on.
+    """
+
+    def __init__(self, peer: PeerSession, key: str, sleep: Callable[[float], Any] = time.sleep):
+        self.peer, self.key, self.sleep = peer, key, sleep
+        self.samples: list[float] = []
+        self.error: str | None = None
+
+    def __call__(self) -> None:
+        if self.error is not None:
+            return
+        self.sleep(SETTLE_S)
+        try:
+            self.samples.append(self.peer.time(self.key))
+        except Exception as e:
+            self.error = describe_error(e)
+        self.sleep(SETTLE_S)
+
+    def paired(self, n: int) -> list[float]:
+        """The peer samples beside jaxlab's ``n`` timed calls: the last ``n`` (the earlier
+        ones ran beside its warm-up calls)."""
+        return self.samples[-n:] if n > 0 else []
 
 
 PEER_INSTALL = "python -m venv peer && peer/bin/pip install torch==2.13.0 transformers"
@@ -84,9 +113,6 @@ def _median(xs: list[float]) -> float:
     description="side by side with HF transformers GPT-2 (PyTorch eager): train and generate",
 )
 def peer_suite(ctx: BenchContext) -> Iterator[Record]:
-    from jaxlab.bench.infer_suites import generation_record
-    from jaxlab.bench.model_suites import train_record
-    from jaxlab.infer.engine import Engine
 
     python = ctx.config.bench.peer_python
     shape_case = {"peer": "hf-gpt2"}
@@ -102,6 +128,64 @@ def peer_suite(ctx: BenchContext) -> Iterator[Record]:
     if problem:
         yield ctx.failure("peer", problem, case=shape_case)
         return
+    with PeerSession(python, peer_script()) as peer:
+        yield from _side_by_side(ctx, peer)
+
+
+def _pair_ratios(ours: Record, theirs: list[float]) -> list[float]:
+    """Per-pair speedups: the peer's seconds over jaxlab's for the same work, in turn."""
+    return [t / o for o, t in zip(ours.samples, theirs, strict=False) if o > 0]
+
+
+def _peer_record(
+    ctx: BenchContext,
+    peer: PeerSession,
+    key: str,
+    spec: dict[str, Any],
+    metric: str,
+    case: dict[str, Any],
+    work: float,
+    run_ours: Callable[[Callable[[], None] | None], Record] | None,
+) -> tuple[Record | None, Record]:
+    """Prepare the peer's case, then measure jaxlab's (``run_ours(before)``) with one peer
+    repetition ahead of each of its calls; without ``run_ours`` the peer runs alone.
+    Returns ``(ours, theirs)``; ``work`` is tokens per repetition (same on both sides)."""
+    ctx.status(f"peer prepare {key}")
+    try:
+        info = peer.prepare(key, spec)
+    except Exception as e:
+        ours = run_ours(None) if run_ours else None
+        return ours, ctx.failure(metric, e, case=case)
+    turns = PeerTurns(peer, key)
+    if run_ours is not None:
+        ours = run_ours(turns)
+        samples = turns.paired(len(ours.samples))
+    else:
+        ours = None
+        for _ in range(spec["repeats"]):
+            turns()
+        samples = turns.samples
+    if not samples and turns.error is None:
+        turns.error = "no peer repetition was paired: jaxlab's side failed before timing one"
+    try:
+        peer.drop(key)
+    except Exception as e:
+        turns.error = turns.error or describe_error(e)
+    derived: dict[str, Any] = {"peer": info.get("peer")}
+    if "threads" in info:
+        derived["threads"] = info["threads"]
+    derived["interleaved"] = ours is not None
+    if turns.error is None and samples:
+        derived["tokens_per_s"] = work / _median(samples)
+    theirs = ctx.record(metric, "s", samples, case=case, derived=derived, error=turns.error)
+    return ours, theirs
+
+
+def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
+    from jaxlab.bench.infer_suites import generation_record
+    from jaxlab.bench.model_suites import train_record
+    from jaxlab.infer.engine import Engine
+
     cfg = gpt2_like(ctx.config)
     m = cfg.model
     shape = {
@@ -112,39 +196,27 @@ def peer_suite(ctx: BenchContext) -> Iterator[Record]:
         "n_heads": m.n_heads,
         "d_mlp": m.d_mlp,
     }
-    reps = ctx.repeats(quick_cap=3)
 
-    # ---- training: same batch x seq_len, AdamW, f32
+    # ---- training: same batch x seq_len, AdamW, f32; one step of each side in turn
     b, t = cfg.train.batch_size, cfg.data.seq_len
-    ours = train_record(ctx, cfg, b, 1)
+    ours, theirs = _peer_record(
+        ctx,
+        peer,
+        "train",
+        {
+            "task": "train",
+            **shape,
+            "batch_size": b,
+            "seq_len": t,
+            "warmup": ctx.warmup(quick_cap=1) or 1,
+        },
+        "step_time",
+        {"batch_size": b, "seq_len": t, "side": "hf-gpt2 (torch eager)"},
+        b * t,
+        lambda before: train_record(ctx, cfg, b, 1, before=before),
+    )
+    assert ours is not None
     yield ours
-    case = {"batch_size": b, "seq_len": t, "side": "hf-gpt2 (torch eager)"}
-    ctx.status(f"peer train {case}")
-    try:
-        res = run_peer(
-            python,
-            {
-                "task": "train",
-                **shape,
-                "batch_size": b,
-                "seq_len": t,
-                "repeats": reps,
-                "warmup": ctx.warmup(quick_cap=1) or 1,
-            },
-        )
-        theirs = ctx.record(
-            "step_time",
-            "s",
-            res["samples_s"],
-            case=case,
-            derived={
-                "tokens_per_s": b * t / _median(res["samples_s"]),
-                "peer": res["peer"],
-                "threads": res["threads"],
-            },
-        )
-    except Exception as e:
-        theirs = ctx.failure("step_time", e, case=case)
     yield theirs
     if ours.status == "ok" and theirs.status == "ok":
         ratio = ours.derived["tokens_per_s"] / theirs.derived["tokens_per_s"]
@@ -157,19 +229,17 @@ def peer_suite(ctx: BenchContext) -> Iterator[Record]:
             derived={
                 "jaxlab_tokens_per_s": ours.derived["tokens_per_s"],
                 "peer_tokens_per_s": theirs.derived["tokens_per_s"],
+                "interleaved": theirs.derived["interleaved"],
+                "pair_ratios": _pair_ratios(ours, theirs.samples),
             },
         )
 
-    # ---- generation: 32-token prompt, 128 new tokens, greedy
+    # ---- generation: 32-token prompt, 128 new tokens, greedy; one call of each in turn
     cap = cfg.inference.max_len or m.max_seq_len
     prompt, new = min(32, cap // 4), min(128 if not ctx.quick else 32, cap // 2)
     engine = Engine.from_config(cfg, seed=0)
+    reps = ctx.repeats(quick_cap=3)
     ours_by: dict[tuple[int, bool], Record] = {}
-    for batch, kv in ((1, True), (8, True), (8, False)):
-        ours_by[(batch, kv)] = rec = generation_record(
-            ctx, engine, batch, prompt, new, kv_cache=kv, extra={"variant": "gpt2-like"}
-        )
-        yield rec
     for batch, kv in ((1, True), (8, True), (1, False), (8, False)):
         case = {
             "batch": batch,
@@ -178,35 +248,47 @@ def peer_suite(ctx: BenchContext) -> Iterator[Record]:
             "kv_cache": kv,
             "side": "hf-gpt2 generate()",
         }
-        ctx.status(f"peer generate {case}")
-        try:
-            res = run_peer(
-                python,
-                {
-                    "task": "generate",
-                    **shape,
-                    "batch_size": batch,
-                    "prompt_len": prompt,
-                    "new_tokens": new,
-                    "use_cache": kv,
-                    "repeats": reps,
-                    "warmup": 1,
-                },
+        spec = {
+            "task": "generate",
+            **shape,
+            "batch_size": batch,
+            "prompt_len": prompt,
+            "new_tokens": new,
+            "use_cache": kv,
+            "repeats": reps,
+            "warmup": 1,
+        }
+
+        def run_ours(
+            before: Callable[[], None] | None, batch: int = batch, kv: bool = kv
+        ) -> Record:
+            return generation_record(
+                ctx,
+                engine,
+                batch,
+                prompt,
+                new,
+                kv_cache=kv,
+                extra={"variant": "gpt2-like"},
+                before=before,
             )
-            rec = ctx.record(
-                "generate_s",
-                "s",
-                res["samples_s"],
-                case=case,
-                derived={
-                    "tokens_per_s": batch * new / _median(res["samples_s"]),
-                    "peer": res["peer"],
-                },
-            )
-        except Exception as e:
-            rec = ctx.failure("generate_s", e, case=case)
+
+        # jaxlab's naive path is measured at batch 8 only (the cached/naive target)
+        mine_runs = not (batch == 1 and not kv)
+        mine, rec = _peer_record(
+            ctx,
+            peer,
+            f"generate-b{batch}-{'cache' if kv else 'naive'}",
+            spec,
+            "generate_s",
+            case,
+            batch * new,
+            run_ours if mine_runs else None,
+        )
+        if mine is not None:
+            ours_by[(batch, kv)] = mine
+            yield mine
         yield rec
-        mine = ours_by.get((batch, True))
         if kv and mine is not None and mine.status == "ok" and rec.status == "ok":
             r = mine.derived["tokens_per_s"] / rec.derived["tokens_per_s"]
             yield ctx.record(
@@ -218,10 +300,12 @@ def peer_suite(ctx: BenchContext) -> Iterator[Record]:
                 derived={
                     "jaxlab_tokens_per_s": mine.derived["tokens_per_s"],
                     "peer_tokens_per_s": rec.derived["tokens_per_s"],
+                    "interleaved": True,
+                    "pair_ratios": _pair_ratios(mine, rec.samples),
                 },
             )
-    cached, naive = ours_by[(8, True)], ours_by[(8, False)]
-    if cached.status == "ok" and naive.status == "ok":
+    cached, naive = ours_by.get((8, True)), ours_by.get((8, False))
+    if cached and naive and cached.status == "ok" and naive.status == "ok":
         yield ctx.record(
             "cached_over_naive",
             "x",

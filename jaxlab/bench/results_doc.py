@@ -69,8 +69,10 @@ EXPLAIN: dict[str, tuple[str, str]] = {
     "peer": (
         "jaxlab's GPT-2-like variant (GELU MLP, learned positions, tied embeddings, same "
         "FLOPs per token) side by side with Hugging Face transformers GPT-2 in PyTorch eager "
-        "mode on the CPU, with the same shapes, AdamW, and the same run. Ratios use medians "
-        "measured minutes apart.",
+        "mode on the CPU, with the same shapes, AdamW, and the same run. Record sets marked "
+        "interleaved=True alternate the two sides one repetition at a time, so each ratio's "
+        "medians share the machine's conditions and pair_ratios gives every pair's own ratio; "
+        "older sets took each side's repetitions back to back, minutes apart.",
         "A comparison with compiled PyTorch (torch.compile), which was not measured, or with "
         "other hardware. Both sides share the same 2 cores.",
     ),
@@ -163,6 +165,8 @@ _DERIVED_SHOWN = (
     "requests_per_s",
     "ttft_p99_s",
     "recompiles_while_timed",
+    "interleaved",
+    "pair_ratios",
 )
 
 

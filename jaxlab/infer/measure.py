@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ def measure_generate(
     repeats: int = 5,
     warmup: int = 1,
     seed: int = 0,
+    before: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Greedy generation of ``new_tokens`` per row for ``batch`` random prompts.
 
@@ -36,6 +38,8 @@ def measure_generate(
     ``tokens_per_s`` (``batch * new_tokens`` over the whole call, prefill included, the
     figure Hugging Face's ``generate`` timing gives), ``decode_tokens_per_s`` (tokens after
     the first over the decode time alone), the raw samples and the compile counts.
+    ``before``, when given, runs untimed ahead of every call, warm-up calls included (the
+    peer suite runs the peer's repetition there, so the two sides' samples alternate).
     """
     rng = np.random.default_rng(seed)
     vocab = engine.cfg.model.vocab_size
@@ -44,12 +48,16 @@ def measure_generate(
     requests = [Request(p, sp) for p in prompts]
 
     for _ in range(max(warmup, 1)):
+        if before is not None:
+            before()
         engine.generate(requests, kv_cache=kv_cache)
-    before = engine.compiles
+    compiles_before = engine.compiles
     wall: list[float] = []
     prefill: list[float] = []
     decode: list[float] = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         gen = engine.generate(requests, kv_cache=kv_cache)
         wall.append(time.perf_counter() - t0)
@@ -73,7 +81,7 @@ def measure_generate(
         "decode_s": med_decode,
         "decode_tokens_per_s": batch * (new_tokens - 1) / med_decode if med_decode else None,
         "compiles": after,
-        "recompiles_while_timed": {k: after[k] - before[k] for k in after},
+        "recompiles_while_timed": {k: after[k] - compiles_before[k] for k in after},
         "platform": engine.platform,
         "precision": engine.precision,
     }

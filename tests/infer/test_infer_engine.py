@@ -478,3 +478,26 @@ def test_a_request_samples_the_same_alone_and_in_a_mixed_batch(seed, prompt):
         ]
     )
     assert mixed[1].token_ids == alone
+
+
+def test_measure_generate_runs_before_untimed_ahead_of_every_call():
+    """The peer suite runs the peer's repetition in ``before``: once per call, warm-up
+    included, and never inside a timed sample."""
+    from jaxlab.infer import measure_generate
+
+    eng = variant_engine(1)
+    calls: list[int] = []
+    real = eng.generate
+
+    def counting(*a, **k):
+        calls.append(len(seen))
+        return real(*a, **k)
+
+    seen: list[None] = []
+    eng.generate = counting  # type: ignore[method-assign]
+    try:
+        r = measure_generate(eng, 1, 4, 3, repeats=3, warmup=2, before=lambda: seen.append(None))
+    finally:
+        del eng.generate
+    assert calls == [1, 2, 3, 4, 5], "each generate call follows its own before()"
+    assert len(r["wall_s"]) == 3 and all(v == 0 for v in r["recompiles_while_timed"].values())

@@ -1,20 +1,23 @@
 # pyright: reportMissingImports=false
 """Hugging Face transformers GPT-2 (PyTorch eager, CPU) at a jaxlab preset's shape.
 
-Run by the benchmark harness under a Python that has torch and transformers::
+Run by the benchmark harness, by file path, under a Python that has torch and
+transformers::
 
-    PEER_PYTHON -m jaxlab.bench.peers.hf_gpt2 '{"task": "train", ...}'   (or as a file path)
+    PEER_PYTHON path/to/hf_gpt2.py
 
-It prints one JSON document: raw per-repetition timings in seconds, and what was
-measured. It must not import jaxlab (the peer environment may not have it), and it does
-no warm-up-free timing: warm-up iterations run first, then each repetition is timed.
+It speaks the session protocol of ``protocol.py`` beside it on stdin/stdout: the harness
+prepares a case (``{"task": "train" | "generate", ...}``; its warm-up calls run then) and
+asks for one timed repetition at a time, between jaxlab's own. It must not import jaxlab
+(the peer environment may not have it).
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 
 def _model(spec: dict):
@@ -38,7 +41,7 @@ def _model(spec: dict):
     return GPT2LMHeadModel(cfg)
 
 
-def train(spec: dict) -> dict:
+def train(spec: dict) -> tuple[Callable[[], Any], dict]:
     import torch
 
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
@@ -61,18 +64,11 @@ def train(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    for _ in range(spec.get("warmup", 2)):
-        step()
-    samples = []
-    for _ in range(spec.get("repeats", 5)):
-        t0 = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - t0)
     n_params = sum(p.numel() for p in model.parameters())
-    return {"task": "train", "samples_s": samples, "tokens_per_step": b * t, "params": n_params}
+    return step, {"task": "train", "tokens_per_step": b * t, "params": n_params}
 
 
-def generate(spec: dict) -> dict:
+def generate(spec: dict) -> tuple[Callable[[], Any], dict]:
     import torch
 
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
@@ -95,31 +91,28 @@ def generate(spec: dict) -> dict:
             out = model.generate(prompt, **kwargs)
         assert out.shape[1] == p + n
 
-    for _ in range(spec.get("warmup", 1)):
-        run()
-    samples = []
-    for _ in range(spec.get("repeats", 3)):
-        t0 = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - t0)
-    return {
-        "task": "generate",
-        "samples_s": samples,
-        "new_tokens": b * n,
-        "use_cache": spec["use_cache"],
-    }
+    return run, {"task": "generate", "new_tokens": b * n, "use_cache": spec["use_cache"]}
 
 
-def main(argv: list[str]) -> None:
+def prepare(spec: dict) -> tuple[Callable[[], Any], dict]:
     import torch
     import transformers
 
-    spec = json.loads(argv[1])
-    result = {"train": train, "generate": generate}[spec["task"]](spec)
-    result["peer"] = f"transformers {transformers.__version__}, torch {torch.__version__}"
-    result["threads"] = torch.get_num_threads()
-    print(json.dumps(result))
+    tasks = {"train": train, "generate": generate}
+    if spec.get("task") not in tasks:
+        raise ValueError(f"task {spec.get('task')!r}: expected train or generate")
+    run, info = tasks[spec["task"]](spec)
+    info["peer"] = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    info["threads"] = torch.get_num_threads()
+    return run, info
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from protocol import serve
+
+    serve(prepare)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main()

@@ -1,0 +1,161 @@
+"""The peer session: real peer processes speaking the real protocol, alternating with us.
+
+CI has no torch (far too big a test dependency), so these run a stand-in peer: a script
+whose cases sleep, count, fail or die, served by the same ``protocol.serve`` the Hugging
+Face peer uses. The Hugging Face peer itself runs in the last test, when
+``JAXLAB_TEST_PEER_PYTHON`` names a Python that has torch and transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxlab.bench.peer_session import PeerError, PeerSession
+from jaxlab.bench.peer_suite import PeerTurns, peer_script
+from jaxlab.bench.timing import measure
+
+PROTOCOL_DIR = Path(peer_script()).parent
+
+STAND_IN = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, {protocol_dir!r})
+    from protocol import serve
+
+    def prepare(spec):
+        print("chatter a library might print")  # must not reach the protocol stream
+        task = spec["task"]
+        if task == "fail":
+            raise ValueError("no such model: " + spec["model"])
+        log = spec.get("log")
+
+        def run():
+            if task == "die":
+                sys.stderr.write("peer fell over\\n")
+                sys.stderr.flush()
+                os._exit(3)
+            if log:
+                with open(log, "a") as f:
+                    f.write("peer\\n")
+            time.sleep(spec.get("s", 0.0))
+
+        return run, {{"task": task}}
+
+    serve(prepare)
+    """
+)
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Path:
+    script = tmp_path / "stand_in_peer.py"
+    script.write_text(STAND_IN.format(protocol_dir=str(PROTOCOL_DIR)))
+    return script
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def test_prepare_runs_the_warm_up_then_time_runs_one_repetition(stand_in, tmp_path):
+    log = tmp_path / "log"
+    with PeerSession(sys.executable, stand_in) as peer:
+        info = peer.prepare("a", {"task": "sleep", "s": 0.02, "warmup": 2, "log": str(log)})
+        assert info == {"task": "sleep"}, "stdout chatter went to stderr, not into the answer"
+        assert lines(log) == ["peer"] * 2, "warm-up calls run at prepare"
+        samples = [peer.time("a") for _ in range(3)]
+    assert lines(log) == ["peer"] * 5
+    assert all(0.02 <= s < 1.0 for s in samples), samples
+
+
+def test_errors_name_the_case_and_the_session_survives_them(stand_in):
+    with PeerSession(sys.executable, stand_in) as peer:
+        with pytest.raises(PeerError, match=r"time 'missing'.*prepare it first"):
+            peer.time("missing")
+        with pytest.raises(PeerError, match=r"prepare 'b': ValueError: no such model: gpt-9"):
+            peer.prepare("b", {"task": "fail", "model": "gpt-9"})
+        peer.prepare("c", {"task": "sleep", "warmup": 0})
+        assert peer.time("c") >= 0.0
+        peer.drop("c")
+        with pytest.raises(PeerError, match="prepare it first"):
+            peer.time("c")
+
+
+def test_a_peer_that_dies_is_a_clear_error_with_its_stderr(stand_in):
+    with PeerSession(sys.executable, stand_in) as peer:
+        peer.prepare("d", {"task": "die", "warmup": 0})
+        with pytest.raises(PeerError, match=r"(?s)exited with code 3; stderr: .*peer fell over"):
+            peer.time("d")
+
+
+def test_a_peer_that_stops_answering_is_killed_after_the_timeout(stand_in):
+    with PeerSession(sys.executable, stand_in, timeout_s=0.5) as peer:
+        peer.prepare("slow", {"task": "sleep", "s": 30, "warmup": 0})
+        t0 = time.perf_counter()
+        with pytest.raises(PeerError, match=r"no answer in 0 s \(killed\)|no answer in 1 s"):
+            peer.time("slow")
+        assert time.perf_counter() - t0 < 10
+
+
+def test_turns_alternate_with_our_samples_and_pair_only_the_timed_ones(stand_in, tmp_path):
+    log = tmp_path / "log"
+    with PeerSession(sys.executable, stand_in) as peer:
+        peer.prepare("p", {"task": "sleep", "warmup": 0, "log": str(log)})
+        turns = PeerTurns(peer, "p", sleep=lambda s: None)
+
+        def ours() -> None:
+            with open(log, "a") as f:
+                f.write("ours\n")
+
+        samples = measure(ours, warmup=2, repeats=3, sync=lambda x: x, before=turns)
+    assert lines(log) == ["peer", "ours"] * 5, "one peer repetition ahead of each of ours"
+    assert turns.error is None and len(turns.samples) == 5
+
+    assert len(samples.times_s) == 3
+    assert turns.paired(3) == turns.samples[2:], "the last three: beside our timed calls"
+    assert turns.paired(0) == []
+
+
+def test_a_failing_peer_ends_its_turns_but_not_ours(stand_in):
+    with PeerSession(sys.executable, stand_in) as peer:
+        peer.prepare("d", {"task": "die", "warmup": 0})
+        turns = PeerTurns(peer, "d", sleep=lambda s: None)
+        calls = []
+        samples = measure(
+            lambda: calls.append(1), warmup=0, repeats=3, sync=lambda x: x, before=turns
+        )
+    assert samples.ok and len(calls) == 3
+    assert turns.samples == [] and "exited with code 3" in (turns.error or "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("JAXLAB_TEST_PEER_PYTHON"),
+    reason="set JAXLAB_TEST_PEER_PYTHON to a Python with torch and transformers",
+)
+def test_the_peer_suite_interleaves_with_the_real_hugging_face_peer(tmp_path):
+    from conftest import run_cli
+
+    from jaxlab.bench.record import load_records
+
+    python = os.environ["JAXLAB_TEST_PEER_PYTHON"]
+    sets = ["--set", f"bench.peer_python={python}", "--set", "bench.repeats=2"]
+    r = run_cli("bench", "peer", "--quick", *sets, "--out", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    (run_dir,) = list(tmp_path.iterdir())
+    peer = [rec for rec in load_records(run_dir) if rec.suite == "peer"]
+    assert all(rec.status == "ok" for rec in peer), [rec.error for rec in peer]
+    theirs = [rec for rec in peer if "side" in rec.case]
+    assert len(theirs) == 5 and all(len(rec.samples) == 2 for rec in theirs)
+    interleaved = [rec.derived["interleaved"] for rec in theirs]
+    assert interleaved == [True, True, True, False, True], "all but naive batch 1 (peer only)"
+    ratios = [rec for rec in peer if rec.metric.endswith("_speedup_vs_peer")]
+    assert len(ratios) == 3
+    for rec in ratios:
+        assert rec.derived["interleaved"] is True and len(rec.derived["pair_ratios"]) == 2
