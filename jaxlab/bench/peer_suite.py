@@ -113,7 +113,6 @@ def _median(xs: list[float]) -> float:
     description="side by side with HF transformers GPT-2 (PyTorch eager): train and generate",
 )
 def peer_suite(ctx: BenchContext) -> Iterator[Record]:
-
     python = ctx.config.bench.peer_python
     shape_case = {"peer": "hf-gpt2"}
     if not python:
