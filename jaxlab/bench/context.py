@@ -179,6 +179,7 @@ class BenchContext:
         repeats: int | None = None,
         sync: Callable[[Any], Any] = block_until_ready,
         before: Callable[[], Any] | None = None,
+        warm_each: int = 0,
     ) -> Record:
         """Measure ``fn`` (see :func:`jaxlab.bench.timing.measure`) and build its record.
 
@@ -195,6 +196,7 @@ class BenchContext:
             repeats=self.repeats() if repeats is None else repeats,
             sync=sync,
             before=before,
+            warm_each=warm_each,
         )
         derived: Mapping[str, Any] = {}
         if samples.ok and derive is not None:

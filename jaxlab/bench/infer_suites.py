@@ -42,6 +42,7 @@ def generation_record(
     kv_cache: bool,
     extra: dict[str, Any] | None = None,
     before: Callable[[], Any] | None = None,
+    warm_each: int = 0,
 ) -> Record:
     from jaxlab.infer.measure import measure_generate
     from jaxlab.model import flops_per_token
@@ -64,6 +65,7 @@ def generation_record(
             repeats=ctx.repeats(quick_cap=3),
             warmup=1,
             before=before,
+            warm_each=warm_each,
         )
     except Exception as e:
         return ctx.failure("generate_s", e, case=case)

@@ -90,8 +90,9 @@ def train_record(
     batch: int,
     accum: int,
     before: Callable[[], Any] | None = None,
+    warm_each: int = 0,
 ) -> Record:
-    """The train step's record; ``before`` runs untimed ahead of every call (see ``measure``)."""
+    """The train step's record; ``before`` and ``warm_each`` as in ``measure``."""
     from jaxlab.model import flops_per_token
 
     case = {
@@ -117,7 +118,9 @@ def train_record(
             **ctx.mfu(fpt * tps, dtype=cfg.train.precision.compute_dtype),
         }
 
-    return ctx.bench("step_time", runner, case=case, derive=derive, before=before)
+    return ctx.bench(
+        "step_time", runner, case=case, derive=derive, before=before, warm_each=warm_each
+    )
 
 
 @suite(

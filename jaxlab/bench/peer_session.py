@@ -47,9 +47,10 @@ class PeerSession:
         """Build case ``key`` in the peer and run its warm-up; returns what it reports."""
         return self._ask({"op": "prepare", "id": key, "spec": spec})["info"]
 
-    def time(self, key: str) -> float:
-        """Seconds of one repetition of case ``key``, timed inside the peer."""
-        return float(self._ask({"op": "time", "id": key})["s"])
+    def time(self, key: str, warm: int = 0) -> float:
+        """Seconds of one repetition of case ``key``, timed inside the peer, after ``warm``
+        untimed ones."""
+        return float(self._ask({"op": "time", "id": key, "warm": warm})["s"])
 
     def drop(self, key: str) -> None:
         """Free case ``key`` (its model and data) in the peer."""

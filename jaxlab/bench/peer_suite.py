@@ -41,6 +41,12 @@ def gpt2_like(cfg: JaxlabConfig) -> JaxlabConfig:
 #: (OpenMP's in torch, XLA's pool) are still spinning down when the other's timed call starts.
 SETTLE_S = 0.05
 
+#: Untimed calls each side makes right before each of its timed ones. The other side's turn
+#: has just filled the caches with its own data; without this, every jaxlab batch-1 call
+#: would start by re-reading its 21 MB of weights from DRAM (measured: 113.7 against 105.7 ms
+#: per 128-token call after a 64 MB copy), which a steady generation loop never pays.
+WARM_EACH = 1
+
 
 def peer_script() -> Path:
     from jaxlab.bench.peers import hf_gpt2
@@ -55,8 +61,14 @@ class PeerTurns:
     A peer failure is kept (``error``) and ends the peer's turns; jaxlab's side goes on.
     """
 
-    def __init__(self, peer: PeerSession, key: str, sleep: Callable[[float], Any] = time.sleep):
-        self.peer, self.key, self.sleep = peer, key, sleep
+    def __init__(
+        self,
+        peer: PeerSession,
+        key: str,
+        warm: int = 0,
+        sleep: Callable[[float], Any] = time.sleep,
+    ):
+        self.peer, self.key, self.warm, self.sleep = peer, key, warm, sleep
         self.samples: list[float] = []
         self.error: str | None = None
 
@@ -65,7 +77,7 @@ class PeerTurns:
             return
         self.sleep(SETTLE_S)
         try:
-            self.samples.append(self.peer.time(self.key))
+            self.samples.append(self.peer.time(self.key, warm=self.warm))
         except Exception as e:
             self.error = describe_error(e)
         self.sleep(SETTLE_S)
@@ -144,20 +156,22 @@ def _peer_record(
     metric: str,
     case: dict[str, Any],
     work: float,
-    run_ours: Callable[[Callable[[], None] | None], Record] | None,
+    run_ours: Callable[[Callable[[], None] | None, int], Record] | None,
+    warm: int,
 ) -> tuple[Record | None, Record]:
-    """Prepare the peer's case, then measure jaxlab's (``run_ours(before)``) with one peer
-    repetition ahead of each of its calls; without ``run_ours`` the peer runs alone.
-    Returns ``(ours, theirs)``; ``work`` is tokens per repetition (same on both sides)."""
+    """Prepare the peer's case, then measure jaxlab's (``run_ours(before, warm_each)``) with
+    one peer repetition ahead of each of its calls; without ``run_ours`` the peer runs
+    alone. Each side makes ``warm`` untimed calls right before each timed one. Returns
+    ``(ours, theirs)``; ``work`` is tokens per repetition (the same on both sides)."""
     ctx.status(f"peer prepare {key}")
     try:
         info = peer.prepare(key, spec)
     except Exception as e:
-        ours = run_ours(None) if run_ours else None
+        ours = run_ours(None, 0) if run_ours else None
         return ours, ctx.failure(metric, e, case=case)
-    turns = PeerTurns(peer, key)
+    turns = PeerTurns(peer, key, warm=warm)
     if run_ours is not None:
-        ours = run_ours(turns)
+        ours = run_ours(turns, warm)
         samples = turns.paired(len(ours.samples))
     else:
         ours = None
@@ -174,6 +188,7 @@ def _peer_record(
     if "threads" in info:
         derived["threads"] = info["threads"]
     derived["interleaved"] = ours is not None
+    derived["warm_each"] = warm
     if turns.error is None and samples:
         derived["tokens_per_s"] = work / _median(samples)
     theirs = ctx.record(metric, "s", samples, case=case, derived=derived, error=turns.error)
@@ -212,7 +227,8 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
         "step_time",
         {"batch_size": b, "seq_len": t, "side": "hf-gpt2 (torch eager)"},
         b * t,
-        lambda before: train_record(ctx, cfg, b, 1, before=before),
+        lambda before, warm: train_record(ctx, cfg, b, 1, before=before, warm_each=warm),
+        WARM_EACH,
     )
     assert ours is not None
     yield ours
@@ -259,7 +275,7 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
         }
 
         def run_ours(
-            before: Callable[[], None] | None, batch: int = batch, kv: bool = kv
+            before: Callable[[], None] | None, warm: int, batch: int = batch, kv: bool = kv
         ) -> Record:
             return generation_record(
                 ctx,
@@ -270,6 +286,7 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
                 kv_cache=kv,
                 extra={"variant": "gpt2-like"},
                 before=before,
+                warm_each=warm,
             )
 
         # jaxlab's naive path is measured at batch 8 only (the cached/naive target)
@@ -283,6 +300,9 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
             case,
             batch * new,
             run_ours if mine_runs else None,
+            # the naive path recomputes the whole prefix, far beyond any cache, for 5-20 s
+            # a call: warming it again would double the suite's longest case for nothing
+            WARM_EACH if kv else 0,
         )
         if mine is not None:
             ours_by[(batch, kv)] = mine

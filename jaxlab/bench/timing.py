@@ -70,6 +70,7 @@ def measure(
     sync: Callable[[Any], Any] = block_until_ready,
     clock: Callable[[], float] = time.perf_counter,
     before: Callable[[], Any] | None = None,
+    warm_each: int = 0,
 ) -> Samples:
     """Time ``repeats`` calls of ``fn`` (each followed by ``sync`` on its result).
 
@@ -77,10 +78,16 @@ def measure(
     leak into the first timed sample). ``before``, when given, runs ahead of every call,
     warm-up included, outside the timed region: it settles what the previous call left
     behind (e.g. waits for an async save to finish, so the next sample does not time
-    that wait) or starts work that the timed call must overlap with.
+    that wait) or starts work that the timed call must overlap with. ``warm_each`` more
+    untimed calls run right before each timed one (after ``before``): when ``before`` ran
+    something else that filled the caches (the peer suite's other side), the timed call
+    still starts with the caches its own previous call leaves, as in a steady loop.
     """
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"measure: need warmup >= 0 and repeats >= 1 (got {warmup}, {repeats})")
+    if warmup < 0 or repeats < 1 or warm_each < 0:
+        raise ValueError(
+            "measure: need warmup >= 0, repeats >= 1 and warm_each >= 0 "
+            f"(got {warmup}, {repeats}, {warm_each})"
+        )
     times: list[float] = []
     where = "warm-up call 1"
     try:
@@ -93,6 +100,8 @@ def measure(
             where = f"repetition {i + 1} of {repeats}"
             if before is not None:
                 before()
+            for _ in range(warm_each):
+                sync(fn())
             t0 = clock()
             sync(fn())
             times.append(clock() - t0)

@@ -31,6 +31,7 @@ def measure_generate(
     warmup: int = 1,
     seed: int = 0,
     before: Callable[[], Any] | None = None,
+    warm_each: int = 0,
 ) -> dict[str, Any]:
     """Greedy generation of ``new_tokens`` per row for ``batch`` random prompts.
 
@@ -39,7 +40,9 @@ def measure_generate(
     figure Hugging Face's ``generate`` timing gives), ``decode_tokens_per_s`` (tokens after
     the first over the decode time alone), the raw samples and the compile counts.
     ``before``, when given, runs untimed ahead of every call, warm-up calls included (the
-    peer suite runs the peer's repetition there, so the two sides' samples alternate).
+    peer suite runs the peer's repetition there, so the two sides' samples alternate), and
+    ``warm_each`` untimed calls right before each timed one (after ``before``), so a timed
+    call starts with the caches its own previous call left, not the peer's.
     """
     rng = np.random.default_rng(seed)
     vocab = engine.cfg.model.vocab_size
@@ -58,6 +61,8 @@ def measure_generate(
     for _ in range(repeats):
         if before is not None:
             before()
+        for _ in range(warm_each):
+            engine.generate(requests, kv_cache=kv_cache)
         t0 = time.perf_counter()
         gen = engine.generate(requests, kv_cache=kv_cache)
         wall.append(time.perf_counter() - t0)

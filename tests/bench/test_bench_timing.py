@@ -92,3 +92,30 @@ def test_real_jax_block_until_ready_default():
     x = jnp.ones((8, 8))
     s = measure(lambda: x @ x, warmup=1, repeats=3)
     assert s.ok and len(s.times_s) == 3 and all(t > 0 for t in s.times_s)
+
+
+def test_warm_each_runs_untimed_right_before_each_timed_call():
+    clock = FakeClock(step=1.0)
+    events: list[str] = []
+
+    def fn():
+        events.append("call")
+
+    s = measure(
+        fn,
+        warmup=1,
+        repeats=2,
+        sync=no_sync,
+        clock=clock,
+        before=lambda: events.append("before"),
+        warm_each=2,
+    )
+    assert events == ["before", "call"] + ["before", "call", "call", "call"] * 2
+    assert s.times_s == [1.0, 1.0], "the warming calls are not timed"
+
+
+def test_negative_warm_each_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="warm_each >= 0"):
+        measure(lambda: None, warmup=0, repeats=1, sync=no_sync, warm_each=-1)

@@ -70,7 +70,10 @@ def test_prepare_runs_the_warm_up_then_time_runs_one_repetition(stand_in, tmp_pa
         assert info == {"task": "sleep"}, "stdout chatter went to stderr, not into the answer"
         assert lines(log) == ["peer"] * 2, "warm-up calls run at prepare"
         samples = [peer.time("a") for _ in range(3)]
-    assert lines(log) == ["peer"] * 5
+        assert lines(log) == ["peer"] * 5
+        warmed = peer.time("a", warm=2)
+    assert lines(log) == ["peer"] * 8, "two untimed calls, then the timed one"
+    assert 0.02 <= warmed < 1.0, "only the last call is timed"
     assert all(0.02 <= s < 1.0 for s in samples), samples
 
 
@@ -122,6 +125,23 @@ def test_turns_alternate_with_our_samples_and_pair_only_the_timed_ones(stand_in,
     assert turns.paired(0) == []
 
 
+def test_both_sides_warm_right_before_their_timed_calls(stand_in, tmp_path):
+    """After the other side's turn, each side's timed call follows one of its own."""
+    log = tmp_path / "log"
+    with PeerSession(sys.executable, stand_in) as peer:
+        peer.prepare("w", {"task": "sleep", "warmup": 0, "log": str(log)})
+        turns = PeerTurns(peer, "w", warm=1, sleep=lambda s: None)
+
+        def ours() -> None:
+            with open(log, "a") as f:
+                f.write("ours\n")
+
+        measure(ours, warmup=1, repeats=2, sync=lambda x: x, before=turns, warm_each=1)
+    per_round = ["peer", "peer", "ours", "ours"]
+    assert lines(log) == ["peer", "peer", "ours"] + per_round * 2
+    assert len(turns.samples) == 3, "one timed peer sample per turn"
+
+
 def test_a_failing_peer_ends_its_turns_but_not_ours(stand_in):
     with PeerSession(sys.executable, stand_in) as peer:
         peer.prepare("d", {"task": "die", "warmup": 0})
@@ -155,6 +175,8 @@ def test_the_peer_suite_interleaves_with_the_real_hugging_face_peer(tmp_path):
     assert len(theirs) == 5 and all(len(rec.samples) == 2 for rec in theirs)
     interleaved = [rec.derived["interleaved"] for rec in theirs]
     assert interleaved == [True, True, True, False, True], "all but naive batch 1 (peer only)"
+    warm = [rec.derived["warm_each"] for rec in theirs]
+    assert warm == [1, 1, 1, 0, 0], "each side re-warms before a timed call, but not naive"
     ratios = [rec for rec in peer if rec.metric.endswith("_speedup_vs_peer")]
     assert len(ratios) == 3
     for rec in ratios:

@@ -480,9 +480,9 @@ def test_a_request_samples_the_same_alone_and_in_a_mixed_batch(seed, prompt):
     assert mixed[1].token_ids == alone
 
 
-def test_measure_generate_runs_before_untimed_ahead_of_every_call():
-    """The peer suite runs the peer's repetition in ``before``: once per call, warm-up
-    included, and never inside a timed sample."""
+def test_measure_generate_runs_before_and_warm_each_untimed():
+    """The peer suite runs the peer's repetition in ``before`` (once per call, warm-up
+    included) and one of ours right after it (``warm_each``), neither inside a sample."""
     from jaxlab.infer import measure_generate
 
     eng = variant_engine(1)
@@ -496,8 +496,11 @@ def test_measure_generate_runs_before_untimed_ahead_of_every_call():
     seen: list[None] = []
     eng.generate = counting  # type: ignore[method-assign]
     try:
-        r = measure_generate(eng, 1, 4, 3, repeats=3, warmup=2, before=lambda: seen.append(None))
+        r = measure_generate(
+            eng, 1, 4, 3, repeats=3, warmup=2, before=lambda: seen.append(None), warm_each=1
+        )
     finally:
         del eng.generate
-    assert calls == [1, 2, 3, 4, 5], "each generate call follows its own before()"
+    # two warm-up calls, then per repetition: before, one untimed call, the timed call
+    assert calls == [1, 2, 3, 3, 4, 4, 5, 5], "each call follows its own before()"
     assert len(r["wall_s"]) == 3 and all(v == 0 for v in r["recompiles_while_timed"].values())

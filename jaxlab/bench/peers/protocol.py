@@ -12,12 +12,13 @@ the two implementations' speed with whatever the neighbours did in between.
 Requests and answers (every answer has ``ok``; a failed one has ``error`` instead)::
 
     {"op": "prepare", "id": "gen-b1", "spec": {...}}  ->  {"ok": true, "info": {...}}
-    {"op": "time", "id": "gen-b1"}                     ->  {"ok": true, "s": 0.41}
+    {"op": "time", "id": "gen-b1", "warm": 1}          ->  {"ok": true, "s": 0.41}
     {"op": "drop", "id": "gen-b1"}                     ->  {"ok": true}
 
 ``prepare`` builds the case and runs ``spec["warmup"]`` untimed calls; ``time`` runs it
 once and answers the seconds it took (``time.perf_counter`` around the call, nothing
-else). The session ends at end of input.
+else), after ``warm`` untimed calls (default 0) that give the timed one the caches its own
+previous call leaves. The session ends at end of input.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _handle(
         run = cases.get(str(key))
         if run is None:
             raise KeyError(f"no prepared case {key!r}; prepare it first")
+        for _ in range(int(req.get("warm", 0))):
+            run()
         t0 = time.perf_counter()
         run()
         return {"ok": True, "s": time.perf_counter() - t0}
