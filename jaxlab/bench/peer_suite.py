@@ -23,6 +23,7 @@ from typing import Any
 from jaxlab.bench.context import BenchContext
 from jaxlab.bench.peer_session import PeerSession
 from jaxlab.bench.record import Record
+from jaxlab.bench.stats import median
 from jaxlab.bench.suites import suite
 from jaxlab.bench.timing import describe_error
 from jaxlab.config import JaxlabConfig
@@ -112,12 +113,6 @@ def peer_problem(python: str) -> str | None:
     return None
 
 
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
 @suite(
     "peer",
     needs_peak=True,
@@ -143,9 +138,28 @@ def peer_suite(ctx: BenchContext) -> Iterator[Record]:
         yield from _side_by_side(ctx, peer)
 
 
-def _pair_ratios(ours: Record, theirs: list[float]) -> list[float]:
-    """Per-pair speedups: the peer's seconds over jaxlab's for the same work, in turn."""
-    return [t / o for o, t in zip(ours.samples, theirs, strict=False) if o > 0]
+def _speedup(
+    ctx: BenchContext, metric: str, case: dict[str, Any], ours: Record, theirs: Record
+) -> Record | None:
+    """jaxlab's tokens/s over the peer's (ratio of medians), with each pair's own ratio:
+    the peer's seconds over jaxlab's for the same work, in turn. None unless both are ok."""
+    if ours.status != "ok" or theirs.status != "ok":
+        return None
+    mine, peer = ours.derived["tokens_per_s"], theirs.derived["tokens_per_s"]
+    pairs = [t / o for o, t in zip(ours.samples, theirs.samples, strict=False) if o > 0]
+    return ctx.record(
+        metric,
+        "x",
+        [mine / peer],
+        better="higher",
+        case=case,
+        derived={
+            "jaxlab_tokens_per_s": mine,
+            "peer_tokens_per_s": peer,
+            "interleaved": theirs.derived["interleaved"],
+            "pair_ratios": pairs,
+        },
+    )
 
 
 def _peer_record(
@@ -175,7 +189,7 @@ def _peer_record(
         samples = turns.paired(len(ours.samples))
     else:
         ours = None
-        for _ in range(spec["repeats"]):
+        for _ in range(ctx.repeats(quick_cap=3)):  # as many as generation_record takes
             turns()
         samples = turns.samples
     if not samples and turns.error is None:
@@ -190,7 +204,7 @@ def _peer_record(
     derived["interleaved"] = ours is not None
     derived["warm_each"] = warm
     if turns.error is None and samples:
-        derived["tokens_per_s"] = work / _median(samples)
+        derived["tokens_per_s"] = work / median(samples)
     theirs = ctx.record(metric, "s", samples, case=case, derived=derived, error=turns.error)
     return ours, theirs
 
@@ -233,27 +247,20 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
     assert ours is not None
     yield ours
     yield theirs
-    if ours.status == "ok" and theirs.status == "ok":
-        ratio = ours.derived["tokens_per_s"] / theirs.derived["tokens_per_s"]
-        yield ctx.record(
-            "train_speedup_vs_peer",
-            "x",
-            [ratio],
-            better="higher",
-            case={"batch_size": b, "seq_len": t, "variant": "gpt2-like"},
-            derived={
-                "jaxlab_tokens_per_s": ours.derived["tokens_per_s"],
-                "peer_tokens_per_s": theirs.derived["tokens_per_s"],
-                "interleaved": theirs.derived["interleaved"],
-                "pair_ratios": _pair_ratios(ours, theirs.samples),
-            },
-        )
+    ratio = _speedup(
+        ctx,
+        "train_speedup_vs_peer",
+        {"batch_size": b, "seq_len": t, "variant": "gpt2-like"},
+        ours,
+        theirs,
+    )
+    if ratio is not None:
+        yield ratio
 
     # ---- generation: 32-token prompt, 128 new tokens, greedy; one call of each in turn
     cap = cfg.inference.max_len or m.max_seq_len
     prompt, new = min(32, cap // 4), min(128 if not ctx.quick else 32, cap // 2)
     engine = Engine.from_config(cfg, seed=0)
-    reps = ctx.repeats(quick_cap=3)
     ours_by: dict[tuple[int, bool], Record] = {}
     for batch, kv in ((1, True), (8, True), (1, False), (8, False)):
         case = {
@@ -270,7 +277,6 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
             "prompt_len": prompt,
             "new_tokens": new,
             "use_cache": kv,
-            "repeats": reps,
             "warmup": 1,
         }
 
@@ -308,21 +314,16 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
             ours_by[(batch, kv)] = mine
             yield mine
         yield rec
-        if kv and mine is not None and mine.status == "ok" and rec.status == "ok":
-            r = mine.derived["tokens_per_s"] / rec.derived["tokens_per_s"]
-            yield ctx.record(
+        if kv and mine is not None:
+            ratio = _speedup(
+                ctx,
                 "generate_speedup_vs_peer",
-                "x",
-                [r],
-                better="higher",
-                case={"batch": batch, "kv_cache": True, "variant": "gpt2-like"},
-                derived={
-                    "jaxlab_tokens_per_s": mine.derived["tokens_per_s"],
-                    "peer_tokens_per_s": rec.derived["tokens_per_s"],
-                    "interleaved": True,
-                    "pair_ratios": _pair_ratios(mine, rec.samples),
-                },
+                {"batch": batch, "kv_cache": True, "variant": "gpt2-like"},
+                mine,
+                rec,
             )
+            if ratio is not None:
+                yield ratio
     cached, naive = ours_by.get((8, True)), ours_by.get((8, False))
     if cached and naive and cached.status == "ok" and naive.status == "ok":
         yield ctx.record(
