@@ -3,7 +3,8 @@
 CI has no torch (far too big a test dependency), so these run a stand-in peer: a script
 whose cases sleep, count, fail or die, served by the same ``protocol.serve`` the Hugging
 Face peer uses. The Hugging Face peer itself runs in the last test, when
-``JAXLAB_TEST_PEER_PYTHON`` names a Python that has torch and transformers.
+``PEER_PYTHON_FOR_TESTS`` names a Python that has torch and transformers (not a
+``JAXLAB_*`` name: those are config variables, and an unknown one is a config error).
 """
 
 from __future__ import annotations
@@ -156,15 +157,15 @@ def test_a_failing_peer_ends_its_turns_but_not_ours(stand_in):
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not os.environ.get("JAXLAB_TEST_PEER_PYTHON"),
-    reason="set JAXLAB_TEST_PEER_PYTHON to a Python with torch and transformers",
+    not os.environ.get("PEER_PYTHON_FOR_TESTS"),
+    reason="set PEER_PYTHON_FOR_TESTS to a Python with torch and transformers",
 )
 def test_the_peer_suite_interleaves_with_the_real_hugging_face_peer(tmp_path):
     from conftest import run_cli
 
     from jaxlab.bench.record import load_records
 
-    python = os.environ["JAXLAB_TEST_PEER_PYTHON"]
+    python = os.environ["PEER_PYTHON_FOR_TESTS"]
     sets = ["--set", f"bench.peer_python={python}", "--set", "bench.repeats=2"]
     r = run_cli("bench", "peer", "--quick", *sets, "--out", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
