@@ -59,7 +59,10 @@ class PeerSession:
     def close(self) -> None:
         proc = self._proc
         if proc.stdin and not proc.stdin.closed:
-            proc.stdin.close()
+            # a peer that died leaves unsent bytes behind; flushing them fails, the
+            # pipe is closed all the same
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

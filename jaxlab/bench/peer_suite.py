@@ -89,6 +89,33 @@ class PeerTurns:
         return self.samples[-n:] if n > 0 else []
 
 
+#: Reads of the weight buffer per timed peer repetition of the ``read`` case (one read of
+#: bench-small's 21 MB takes about half a millisecond; 32 make a sample of ~15 ms).
+READS_PER_SAMPLE = 32
+
+
+def read_ceiling(
+    read_s: float, weight_bytes: int, peer_tokens_per_s: float, jaxlab_tokens_per_s: float
+) -> dict[str, float]:
+    """What one streaming read of a decode step's weights per generated token allows.
+
+    At batch 1 every generated token costs at least one read of the step's weights
+    (prefill reads them once for the first token, each decode step once more), so no
+    implementation whose step reads them from memory generates faster than
+    ``1 / read_s`` tokens/s on this machine. ``ceiling_over_peer`` is the largest
+    batch-1 ratio over the peer that such an implementation could reach here.
+    """
+    ceiling = 1.0 / read_s
+    return {
+        "read_gb_per_s": weight_bytes / read_s / 1e9,
+        "ceiling_tokens_per_s": ceiling,
+        "ceiling_over_peer": ceiling / peer_tokens_per_s,
+        "peer_tokens_per_s": peer_tokens_per_s,
+        "jaxlab_tokens_per_s": jaxlab_tokens_per_s,
+        "jaxlab_share_of_ceiling": jaxlab_tokens_per_s / ceiling,
+    }
+
+
 PEER_INSTALL = "python -m venv peer && peer/bin/pip install torch==2.13.0 transformers"
 
 
@@ -262,6 +289,7 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
     prompt, new = min(32, cap // 4), min(128 if not ctx.quick else 32, cap // 2)
     engine = Engine.from_config(cfg, seed=0)
     ours_by: dict[tuple[int, bool], Record] = {}
+    b1: tuple[Record | None, Record | None] = (None, None)
     for batch, kv in ((1, True), (8, True), (1, False), (8, False)):
         case = {
             "batch": batch,
@@ -324,6 +352,9 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
             )
             if ratio is not None:
                 yield ratio
+        if (batch, kv) == (1, True):
+            b1 = (mine, rec)
+    yield from _read_ceiling(ctx, peer, engine.step_weight_bytes, *b1)
     cached, naive = ours_by.get((8, True)), ours_by.get((8, False))
     if cached and naive and cached.status == "ok" and naive.status == "ok":
         yield ctx.record(
@@ -333,3 +364,53 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
             better="higher",
             case={"batch": 8, "variant": "gpt2-like"},
         )
+
+
+def _read_ceiling(
+    ctx: BenchContext,
+    peer: PeerSession,
+    weight_bytes: int,
+    ours: Record | None,
+    theirs: Record | None,
+) -> Iterator[Record]:
+    """The peer process streams a buffer of the decode step's weight bytes (samples are
+    seconds per read, ``READS_PER_SAMPLE`` reads a repetition); with the batch-1 cached
+    records beside it, the ceiling that read rate puts on batch-1 generation."""
+    case = {"bytes": weight_bytes, "read": "torch.sum, peer process"}
+    spec = {"task": "read", "bytes": weight_bytes, "reads": READS_PER_SAMPLE, "warmup": 1}
+    ctx.status("peer read")
+    try:
+        info = peer.prepare("read", spec)
+        samples = [
+            peer.time("read", warm=WARM_EACH) / READS_PER_SAMPLE
+            for _ in range(ctx.repeats(quick_cap=3))
+        ]
+        peer.drop("read")
+    except Exception as e:
+        yield ctx.failure("weights_read_s", e, case=case)
+        return
+    read_s = median(samples)
+    yield ctx.record(
+        "weights_read_s",
+        "s",
+        samples,
+        case=case,
+        derived={
+            "peer": info.get("peer"),
+            "threads": info.get("threads"),
+            "read_gb_per_s": weight_bytes / read_s / 1e9,
+        },
+    )
+    if ours is None or theirs is None or ours.status != "ok" or theirs.status != "ok":
+        return
+    derived = read_ceiling(
+        read_s, weight_bytes, theirs.derived["tokens_per_s"], ours.derived["tokens_per_s"]
+    )
+    yield ctx.record(
+        "generate_ceiling_vs_peer",
+        "x",
+        [derived["ceiling_over_peer"]],
+        better="higher",
+        case={"batch": 1, "kv_cache": True, "variant": "gpt2-like"},
+        derived=derived,
+    )

@@ -97,6 +97,12 @@ HEADLINES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ),
     (
         "peer",
+        "generate_ceiling_vs_peer",
+        {"batch": 1},
+        "batch 1 ceiling: one read of the step's weights per token (torch.sum's rate), / HF",
+    ),
+    (
+        "peer",
         "generate_speedup_vs_peer",
         {"batch": 8},
         "cached generate, batch 8, jaxlab / HF (target >= 2x)",

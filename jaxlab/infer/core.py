@@ -78,6 +78,24 @@ def weights_for(graphdef: nnx.GraphDef, params: nnx.State) -> Weights:
     return Weights(params, _transposed(kernel) if vocab_major else kernel)
 
 
+def step_weight_bytes(graphdef: nnx.GraphDef, weights: Weights) -> int:
+    """Bytes of weights one cached decode step reads, whatever the batch: every block's
+    parameters, the final norm and the LM head kernel.
+
+    The token and position tables are left out: a step looks up one row of each per
+    generated token (a tied head is read through its ``[d_model, vocab]`` copy, counted
+    once as the head). At batch 1 a step can go no faster than one read of these bytes,
+    which is what the ``peer`` benchmark's read ceiling divides by.
+    """
+    model = nnx.merge(graphdef, weights.params)
+    arrays = [
+        *jax.tree.leaves(nnx.state(model.blocks)),
+        *jax.tree.leaves(nnx.state(model.final_norm)),
+        weights.head,
+    ]
+    return sum(int(a.size) * a.dtype.itemsize for a in arrays)
+
+
 def head_logits(model: Transformer, head: Array, h: Array) -> Array:
     """Final norm and LM head on features ``[..., d_model]`` -> f32 ``[..., vocab]``, with
     the head given as a ``[d_model, vocab]`` kernel (:class:`Weights`)."""

@@ -45,6 +45,7 @@ from jaxlab.infer.core import (
     make_naive_decode,
     make_prefill,
     naive_step,
+    step_weight_bytes,
     weights_for,
 )
 from jaxlab.infer.fused import make_decode
@@ -220,6 +221,11 @@ class Engine:
         if params is None or params is self._params:
             return self._weights
         return weights_for(self.graphdef, params)
+
+    @property
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights each cached decode step reads (:func:`step_weight_bytes`)."""
+        return step_weight_bytes(self.graphdef, self._weights)
 
     # ------------------------------------------------------------------ construction
 

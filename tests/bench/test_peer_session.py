@@ -17,9 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from jaxlab.bench.context import BenchContext
 from jaxlab.bench.peer_session import PeerError, PeerSession
-from jaxlab.bench.peer_suite import PeerTurns, peer_script
+from jaxlab.bench.peer_suite import (
+    READS_PER_SAMPLE,
+    PeerTurns,
+    _read_ceiling,
+    peer_script,
+    read_ceiling,
+)
+from jaxlab.bench.record import RECORDS_FILENAME, Environment, RecordWriter
 from jaxlab.bench.timing import measure
+from jaxlab.config import JaxlabConfig
 
 PROTOCOL_DIR = Path(peer_script()).parent
 
@@ -155,6 +164,64 @@ def test_a_failing_peer_ends_its_turns_but_not_ours(stand_in):
     assert turns.samples == [] and "exited with code 3" in (turns.error or "")
 
 
+def test_read_ceiling_is_one_read_of_the_weights_per_token():
+    out = read_ceiling(
+        read_s=0.5e-3, weight_bytes=20_000_000, peer_tokens_per_s=400.0, jaxlab_tokens_per_s=1000.0
+    )
+    assert out["ceiling_tokens_per_s"] == pytest.approx(2000.0)
+    assert out["ceiling_over_peer"] == pytest.approx(5.0)
+    assert out["read_gb_per_s"] == pytest.approx(40.0)
+    assert out["jaxlab_share_of_ceiling"] == pytest.approx(0.5)
+
+
+def _context(tmp_path: Path, repeats: int) -> BenchContext:
+    cfg = JaxlabConfig()
+    cfg.bench.repeats = repeats
+    env = Environment(
+        versions={"jax": "test"},
+        devices={"platform": "cpu", "kind": "cpu", "count": 1},
+        cpu={"model": "test cpu", "cores": 2},
+    )
+    writer = RecordWriter(tmp_path / RECORDS_FILENAME)
+    return BenchContext(cfg, False, "r", tmp_path, env, writer, suite="peer")
+
+
+def test_the_read_case_records_seconds_per_read_and_the_batch_1_ceiling(stand_in, tmp_path):
+    """The peer times ``READS_PER_SAMPLE`` reads a repetition; the record keeps seconds per
+    read, and the ceiling divides by the peer's batch-1 record beside it."""
+    ctx = _context(tmp_path, repeats=3)
+    ours = ctx.record("generate_s", "s", [0.1], case={}, derived={"tokens_per_s": 1000.0})
+    theirs = ctx.record("generate_s", "s", [0.3], case={}, derived={"tokens_per_s": 400.0})
+    with PeerSession(sys.executable, stand_in) as peer:
+        read, ceiling = _read_ceiling(ctx, peer, 8_000_000, ours, theirs)
+    assert read.metric == "weights_read_s" and read.status == "ok"
+    assert len(read.samples) == 3 and all(0 < s < 0.01 for s in read.samples)
+    assert read.case == {"bytes": 8_000_000, "read": "torch.sum, peer process"}
+    assert READS_PER_SAMPLE > 1
+    per_read = read.stats.median
+    assert per_read is not None
+    assert read.derived["read_gb_per_s"] == pytest.approx(8e6 / per_read / 1e9)
+    assert ceiling.metric == "generate_ceiling_vs_peer" and ceiling.case["batch"] == 1
+    assert ceiling.stats.median == pytest.approx(1 / per_read / 400.0)
+    assert ceiling.derived["jaxlab_share_of_ceiling"] == pytest.approx(1000.0 * per_read)
+
+
+def test_no_ceiling_without_an_ok_peer_record_and_a_failed_read_is_kept(stand_in, tmp_path):
+    ctx = _context(tmp_path, repeats=2)
+    ours = ctx.record("generate_s", "s", [0.1], case={}, derived={"tokens_per_s": 1000.0})
+    failed = ctx.failure("generate_s", "peer fell over", case={})
+    with PeerSession(sys.executable, stand_in) as peer:
+        assert [r.metric for r in _read_ceiling(ctx, peer, 1000, ours, failed)] == [
+            "weights_read_s"
+        ]
+    with PeerSession(sys.executable, stand_in) as peer:
+        peer.prepare("x", {"task": "die", "warmup": 0})
+        with pytest.raises(PeerError):
+            peer.time("x")
+        (rec,) = _read_ceiling(ctx, peer, 1000, ours, ours)
+    assert rec.status != "ok" and rec.metric == "weights_read_s"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("PEER_PYTHON_FOR_TESTS"),
@@ -182,3 +249,7 @@ def test_the_peer_suite_interleaves_with_the_real_hugging_face_peer(tmp_path):
     assert len(ratios) == 3
     for rec in ratios:
         assert rec.derived["interleaved"] is True and len(rec.derived["pair_ratios"]) == 2
+    (read,) = [rec for rec in peer if rec.metric == "weights_read_s"]
+    assert len(read.samples) == 2 and read.derived["read_gb_per_s"] > 0
+    (ceiling,) = [rec for rec in peer if rec.metric == "generate_ceiling_vs_peer"]
+    assert (ceiling.stats.median or 0) > 0 and ceiling.derived["jaxlab_share_of_ceiling"] > 0

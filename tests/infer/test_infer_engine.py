@@ -217,6 +217,24 @@ def test_weights_hold_the_lm_head_as_a_d_model_by_vocab_kernel():
     assert untied.weights().head is untied.params["lm_head"][...]
 
 
+def test_step_weight_bytes_count_what_a_decode_step_reads():
+    """Every parameter but the lookup tables (token, learned positions), plus the head
+    kernel: for a tied model that is the transposed copy, for an untied one ``lm_head``."""
+
+    def nbytes(tree) -> int:
+        return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+    for engine in (variant_engine(1), main_engine()):
+        m = engine.cfg.model
+        tables = nbytes(engine.params["embed"])
+        if "pos_embed" in engine.params:
+            tables += nbytes(engine.params["pos_embed"])
+        head = m.vocab_size * m.d_model * 4
+        expected = nbytes(engine.params) - tables + (head if m.tie_embeddings else 0)
+        assert engine.step_weight_bytes == expected
+    assert "pos_embed" in variant_engine(1).params  # the learned-positions case was covered
+
+
 # ------------------------------------------------------------ ragged batches, buckets
 
 

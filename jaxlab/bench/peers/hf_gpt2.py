@@ -7,7 +7,7 @@ transformers::
     PEER_PYTHON path/to/hf_gpt2.py
 
 It speaks the session protocol of ``protocol.py`` beside it on stdin/stdout: the harness
-prepares a case (``{"task": "train" | "generate", ...}``; its warm-up calls run then) and
+prepares a case (``{"task": "train" | "generate" | "read", ...}``; its warm-up calls run then) and
 asks for one timed repetition at a time, between jaxlab's own. It must not import jaxlab
 (the peer environment may not have it).
 """
@@ -94,13 +94,31 @@ def generate(spec: dict) -> tuple[Callable[[], Any], dict]:
     return run, {"task": "generate", "new_tokens": b * n, "use_cache": spec["use_cache"]}
 
 
+def read(spec: dict) -> tuple[Callable[[], Any], dict]:
+    """``reads`` streaming reads of a float32 buffer of ``bytes`` (``torch.sum``, every
+    thread): the rate at which this machine reads a decode step's weights, for the
+    harness's batch-1 ceiling. A model-free task: torch's reduction is the fastest
+    multi-threaded read either environment has (XLA:CPU's reduce and NumPy's are slower)."""
+    import torch
+
+    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    buf = torch.ones(spec["bytes"] // 4, dtype=torch.float32)  # written, so paged in
+    reads = spec["reads"]
+
+    def run() -> None:
+        for _ in range(reads):
+            buf.sum()
+
+    return run, {"task": "read", "bytes": buf.numel() * 4, "reads": reads}
+
+
 def prepare(spec: dict) -> tuple[Callable[[], Any], dict]:
     import torch
     import transformers
 
-    tasks = {"train": train, "generate": generate}
+    tasks = {"train": train, "generate": generate, "read": read}
     if spec.get("task") not in tasks:
-        raise ValueError(f"task {spec.get('task')!r}: expected train or generate")
+        raise ValueError(f"task {spec.get('task')!r}: expected train, generate or read")
     run, info = tasks[spec["task"]](spec)
     info["peer"] = f"transformers {transformers.__version__}, torch {torch.__version__}"
     info["threads"] = torch.get_num_threads()
