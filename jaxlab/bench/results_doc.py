@@ -191,16 +191,17 @@ def _matches(r: Record, suite: str, metric: str, case: dict[str, Any]) -> bool:
 
 
 def headline_table(recs: Sequence[Record]) -> list[str]:
-    lines = ["| what | ratio | from |", "|---|---|---|"]
+    lines = ["| what | ratio | from | CPU |", "|---|---|---|---|"]
     for suite, metric, case, what in HEADLINES:
         hit = [r for r in recs if _matches(r, suite, metric, case) and r.status == "ok"]
         if hit:
             r = hit[-1]
             lines.append(
-                f"| {what} | **{_fmt(r.stats.median)}x** | {r.suite}: {case_label(r.case)} |"
+                f"| {what} | **{_fmt(r.stats.median)}x** | {r.suite}: {case_label(r.case)} "
+                f"| {r.cpu.model} |"
             )
         else:
-            lines.append(f"| {what} | not measured in these record sets | - |")
+            lines.append(f"| {what} | not measured in these record sets | - | - |")
     return lines
 
 
@@ -248,7 +249,9 @@ def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> s
             if d.resolve().is_relative_to(root.resolve())
             else d
         )
-        lines.append(f"- [`{rel}`]({rel}/records.jsonl){_run_meta_note(d, rel, recs)}")
+        cpus = sorted({r.cpu.model for r in recs if r.run_id == d.name})
+        on = f" (on {', '.join(cpus)})" if cpus else ""
+        lines.append(f"- [`{rel}`]({rel}/records.jsonl){on}{_run_meta_note(d, rel, recs)}")
     lines += ["", "## Hardware and software", ""]
     envs = sorted(
         {
