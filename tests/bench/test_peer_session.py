@@ -43,6 +43,8 @@ STAND_IN = textwrap.dedent(
         task = spec["task"]
         if task == "fail":
             raise ValueError("no such model: " + spec["model"])
+        if task == "read":  # the suite's read case: a repetition of known length
+            spec["s"] = 0.2
         log = spec.get("log")
 
         def run():
@@ -188,16 +190,18 @@ def _context(tmp_path: Path, repeats: int) -> BenchContext:
 
 def test_the_read_case_records_seconds_per_read_and_the_batch_1_ceiling(stand_in, tmp_path):
     """The peer times ``READS_PER_SAMPLE`` reads a repetition; the record keeps seconds per
-    read, and the ceiling divides by the peer's batch-1 record beside it."""
+    read, and the ceiling divides by the peer's batch-1 record beside it. The stand-in's
+    repetition sleeps 0.2 s, so a sample that was not divided would show."""
     ctx = _context(tmp_path, repeats=3)
     ours = ctx.record("generate_s", "s", [0.1], case={}, derived={"tokens_per_s": 1000.0})
     theirs = ctx.record("generate_s", "s", [0.3], case={}, derived={"tokens_per_s": 400.0})
     with PeerSession(sys.executable, stand_in) as peer:
         read, ceiling = _read_ceiling(ctx, peer, 8_000_000, ours, theirs)
     assert read.metric == "weights_read_s" and read.status == "ok"
-    assert len(read.samples) == 3 and all(0 < s < 0.01 for s in read.samples)
+    per_sample = 0.2 / READS_PER_SAMPLE
+    assert len(read.samples) == 3
+    assert all(per_sample <= s < 1.5 * per_sample for s in read.samples)
     assert read.case == {"bytes": 8_000_000, "read": "torch.sum, peer process"}
-    assert READS_PER_SAMPLE > 1
     per_read = read.stats.median
     assert per_read is not None
     assert read.derived["read_gb_per_s"] == pytest.approx(8e6 / per_read / 1e9)

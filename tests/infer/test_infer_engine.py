@@ -229,7 +229,7 @@ def test_step_weight_bytes_count_what_a_decode_step_reads():
         tables = nbytes(engine.params["embed"])
         if "pos_embed" in engine.params:
             tables += nbytes(engine.params["pos_embed"])
-        head = m.vocab_size * m.d_model * 4
+        head = m.vocab_size * m.d_model * engine.weights().head.dtype.itemsize
         expected = nbytes(engine.params) - tables + (head if m.tie_embeddings else 0)
         assert engine.step_weight_bytes == expected
     assert "pos_embed" in variant_engine(1).params  # the learned-positions case was covered
