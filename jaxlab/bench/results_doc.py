@@ -190,15 +190,22 @@ def _matches(r: Record, suite: str, metric: str, case: dict[str, Any]) -> bool:
     )
 
 
+def machine(r: Record) -> str:
+    """Where a record ran: the CPU's model on the CPU platform, else the devices."""
+    if r.devices.platform == "cpu":
+        return r.cpu.model
+    return f"{r.devices.count} x {r.devices.kind}"
+
+
 def headline_table(recs: Sequence[Record]) -> list[str]:
-    lines = ["| what | ratio | from | CPU |", "|---|---|---|---|"]
+    lines = ["| what | ratio | from | machine |", "|---|---|---|---|"]
     for suite, metric, case, what in HEADLINES:
         hit = [r for r in recs if _matches(r, suite, metric, case) and r.status == "ok"]
         if hit:
             r = hit[-1]
             lines.append(
                 f"| {what} | **{_fmt(r.stats.median)}x** | {r.suite}: {case_label(r.case)} "
-                f"| {r.cpu.model} |"
+                f"| {machine(r)} |"
             )
         else:
             lines.append(f"| {what} | not measured in these record sets | - | - |")
@@ -249,8 +256,8 @@ def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> s
             if d.resolve().is_relative_to(root.resolve())
             else d
         )
-        cpus = sorted({r.cpu.model for r in recs if r.run_id == d.name})
-        on = f" (on {', '.join(cpus)})" if cpus else ""
+        machines = sorted({machine(r) for r in recs if r.run_id == d.name})
+        on = f" (on {', '.join(machines)})" if machines else ""
         lines.append(f"- [`{rel}`]({rel}/records.jsonl){on}{_run_meta_note(d, rel, recs)}")
     lines += ["", "## Hardware and software", ""]
     envs = sorted(
@@ -282,12 +289,15 @@ def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> s
         if shows:
             lines += [f"**What it shows.** {shows}", "", f"**What it does not.** {not_shows}", ""]
         lines += [
-            "| case | metric | median | p90 / p99 | n | derived |",
-            "|---|---|---|---|---|---|",
+            "| case | machine | metric | median | p90 / p99 | n | derived |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in (r for r in recs if r.suite == s):
             if r.status != "ok":
-                lines.append(f"| {case_label(r.case)} | {r.metric} | FAILED | - | - | {r.error} |")
+                lines.append(
+                    f"| {case_label(r.case)} | {machine(r)} | {r.metric} | FAILED | - | - "
+                    f"| {r.error} |"
+                )
                 continue
             st = r.stats
             tails = (
@@ -296,7 +306,8 @@ def render(run_dirs: Sequence[Path], records: Iterable[Record], root: Path) -> s
                 else f"{_time(st.p90, r.unit)} / {_time(st.p99, r.unit)}"
             )
             lines.append(
-                f"| {case_label(r.case)} | {r.metric} | {_time(st.median, r.unit)} | {tails} | {st.n} | {_derived(r)} |"
+                f"| {case_label(r.case)} | {machine(r)} | {r.metric} | {_time(st.median, r.unit)} "
+                f"| {tails} | {st.n} | {_derived(r)} |"
             )
     return "\n".join(lines) + "\n"
 
