@@ -289,7 +289,7 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
     prompt, new = min(32, cap // 4), min(128 if not ctx.quick else 32, cap // 2)
     engine = Engine.from_config(cfg, seed=0)
     ours_by: dict[tuple[int, bool], Record] = {}
-    b1: tuple[Record | None, Record | None] = (None, None)
+    theirs_by: dict[tuple[int, bool], Record] = {}
     for batch, kv in ((1, True), (8, True), (1, False), (8, False)):
         case = {
             "batch": batch,
@@ -341,6 +341,7 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
         if mine is not None:
             ours_by[(batch, kv)] = mine
             yield mine
+        theirs_by[(batch, kv)] = rec
         yield rec
         if kv and mine is not None:
             ratio = _speedup(
@@ -352,9 +353,9 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
             )
             if ratio is not None:
                 yield ratio
-        if (batch, kv) == (1, True):
-            b1 = (mine, rec)
-    yield from _read_ceiling(ctx, peer, engine.step_weight_bytes, *b1)
+    yield from _read_ceiling(
+        ctx, peer, engine.step_weight_bytes, ours_by.get((1, True)), theirs_by.get((1, True))
+    )
     cached, naive = ours_by.get((8, True)), ours_by.get((8, False))
     if cached and naive and cached.status == "ok" and naive.status == "ok":
         yield ctx.record(

@@ -7,8 +7,8 @@ transformers::
     PEER_PYTHON path/to/hf_gpt2.py
 
 It speaks the session protocol of ``protocol.py`` beside it on stdin/stdout: the harness
-prepares a case (``{"task": "train" | "generate" | "read", ...}``; its warm-up calls run then) and
-asks for one timed repetition at a time, between jaxlab's own. It must not import jaxlab
+prepares a case (``{"task": "train" | "generate" | "read", ...}``; its warm-up calls run
+then) and asks for one timed repetition at a time, between jaxlab's own. It must not import jaxlab
 (the peer environment may not have it).
 """
 
