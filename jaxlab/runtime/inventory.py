@@ -31,6 +31,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or ``""`` if unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -78,6 +89,7 @@ def device_inventory() -> dict[str, Any]:
         "process_count": jax.process_count(),
         "local_devices": [describe(d) for d in local],
         "cpu_model": cpu_model(),
+        "cpu_vendor": cpu_vendor(),
         "cpu_cores": os.cpu_count(),
         "machine": platform.machine(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),

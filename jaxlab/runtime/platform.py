@@ -6,10 +6,10 @@ touches a backend. Calling this after backends exist still updates ``jax.config`
 which is honoured as long as no computation ran yet.
 
 ``XLA_FLAGS`` is likewise read once, when the first backend starts. For the CPU (and
-``auto``) platform jaxlab adds the flags in :data:`XLA_CPU_DEFAULTS` to it - each one only
-when the user's ``XLA_FLAGS`` does not already name that flag, never once a backend exists,
-and not at all with ``JAXLAB_XLA_CPU_DEFAULTS=0``. See ``docs/performance.md`` for the
-measurements behind them.
+``auto``) platform jaxlab adds to it the flags :func:`xla_cpu_defaults` gives for this
+CPU's vendor - each one only when the user's ``XLA_FLAGS`` does not already name that
+flag, never once a backend exists, and not at all with ``JAXLAB_XLA_CPU_DEFAULTS=0``. See
+``docs/performance.md`` for the measurements behind them.
 """
 
 from __future__ import annotations
@@ -20,25 +20,40 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxlab.runtime.inventory import cpu_vendor
+
 if TYPE_CHECKING:
     from jaxlab.config.schema import RuntimeConfig
 
 _JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
-#: XLA:CPU flags jaxlab sets by default (``--name=value``), with the reason for each.
+#: The XLA:CPU flags jaxlab sets by default (``--name=value``), by CPU vendor, with the
+#: reason for each. Both choices are about one flag, which decides which ops XLA:CPU (jaxlib
+#: 0.10) hands to the YNNPACK library; by default it hands dots *and* the reductions they
+#: feed. Numerics semantics are the same under every setting (no fast-math, f32 stays f32,
+#: default matmul precision): only which kernel runs a dot or a reduction, that is, the f32
+#: summation order. Figures in ``docs/performance.md``.
 #:
-#: * ``xla_cpu_experimental_ynn_fusion_type=individual_dot``. XLA:CPU in jaxlib 0.10 hands
-#:   individual dots *and* reductions (with the ops feeding them) to YNNPACK by default.
-#:   On the 2-core bench machine the YNNPACK reductions made the original bench-small
-#:   train step 1.2-1.4x slower. YNNPACK's dots, on the other hand, make the memory-bound
-#:   decode step 1.3-1.9x faster than XLA's own kernels (batch 1 and 8), and after the
-#:   model's own fixes the train step is the same speed either way within run-to-run
-#:   noise (``docs/performance.md``). So YNNPACK keeps the dots and loses the reductions.
-#:   Numerics semantics are unchanged (no fast-math, f32 stays f32, default matmul
-#:   precision): only which kernel runs a dot or a reduction, i.e. the f32 summation order.
-XLA_CPU_DEFAULTS: dict[str, str] = {
-    "xla_cpu_experimental_ynn_fusion_type": "individual_dot",
+#: * ``AuthenticAMD`` (measured on a 2-core AMD EPYC VM): ``individual_dot``, so YNNPACK
+#:   keeps the dots and loses the reductions. Its reductions made the bench-small train
+#:   step 1.2-1.4x slower; its dots made the memory-bound decode step 1.3-1.9x faster than
+#:   XLA's own kernels (batch 1 and 8), and the train step the same speed either way.
+#: * ``GenuineIntel`` (measured on two 2-core Intel Xeon VMs with AVX-512 and AMX): the
+#:   empty list, so XLA's own kernels run every op. Its dots make the decode step 12-24%
+#:   faster at 8 and 16 rows and leave batch 1 and the train step the same, within noise.
+#: * Any other vendor, or none found: the AMD choice, the one measured longest.
+XLA_CPU_DEFAULTS_BY_VENDOR: dict[str, dict[str, str]] = {
+    "AuthenticAMD": {"xla_cpu_experimental_ynn_fusion_type": "individual_dot"},
+    "GenuineIntel": {"xla_cpu_experimental_ynn_fusion_type": ""},
 }
+_OTHER_VENDOR = "AuthenticAMD"
+
+
+def xla_cpu_defaults(vendor: str | None = None) -> dict[str, str]:
+    """jaxlab's XLA:CPU flag defaults for ``vendor`` (default: this machine's ``vendor_id``)."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    return XLA_CPU_DEFAULTS_BY_VENDOR.get(vendor, XLA_CPU_DEFAULTS_BY_VENDOR[_OTHER_VENDOR])
+
 
 #: Set to ``0`` to keep ``XLA_FLAGS`` exactly as given.
 OPT_OUT_ENV = "JAXLAB_XLA_CPU_DEFAULTS"
@@ -55,14 +70,18 @@ def _backends_started() -> bool:
         return True
 
 
-def xla_cpu_default_flags(xla_flags: str) -> list[str]:
-    """The ``--flag=value`` entries of :data:`XLA_CPU_DEFAULTS` that ``xla_flags`` lacks."""
+def xla_cpu_default_flags(xla_flags: str, vendor: str | None = None) -> list[str]:
+    """The ``--flag=value`` entries of :func:`xla_cpu_defaults` that ``xla_flags`` lacks."""
     given = {tok.lstrip("-").split("=", 1)[0] for tok in xla_flags.split() if tok.startswith("--")}
-    return [f"--{name}={value}" for name, value in XLA_CPU_DEFAULTS.items() if name not in given]
+    defaults = xla_cpu_defaults(vendor)
+    return [f"--{name}={value}" for name, value in defaults.items() if name not in given]
 
 
-def apply_xla_cpu_defaults(environ: MutableMapping[str, str] | None = None) -> list[str]:
-    """Append jaxlab's XLA:CPU defaults to ``XLA_FLAGS``; returns the flags added.
+def apply_xla_cpu_defaults(
+    environ: MutableMapping[str, str] | None = None, vendor: str | None = None
+) -> list[str]:
+    """Append jaxlab's XLA:CPU defaults for ``vendor`` (default: this machine's) to
+    ``XLA_FLAGS``; returns the flags added.
 
     Adds nothing when the user already names a flag, when ``JAXLAB_XLA_CPU_DEFAULTS=0``,
     or when a JAX backend has already started (the flags would be ignored, silently).
@@ -73,7 +92,7 @@ def apply_xla_cpu_defaults(environ: MutableMapping[str, str] | None = None) -> l
     if environ is None and _backends_started():
         return []
     current = env.get("XLA_FLAGS", "")
-    added = xla_cpu_default_flags(current)
+    added = xla_cpu_default_flags(current, vendor)
     if added:
         env["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added
@@ -82,7 +101,7 @@ def apply_xla_cpu_defaults(environ: MutableMapping[str, str] | None = None) -> l
 def configure_platform(platform: str) -> None:
     """Pin JAX to ``platform`` ('auto' leaves JAX's own choice alone).
 
-    For ``cpu`` and ``auto`` also applies :data:`XLA_CPU_DEFAULTS`
+    For ``cpu`` and ``auto`` also applies :func:`xla_cpu_defaults`
     (:func:`apply_xla_cpu_defaults`).
     """
     if platform in ("cpu", "auto"):

@@ -7,10 +7,15 @@
   its parameter gradients equal those of the plain loss;
 * ``dense`` (flattened to 2-D) equals the batched matmul, and causal attention that skips
   the future key block equals full masked attention;
-* the XLA:CPU flag defaults respect the user's own ``XLA_FLAGS``.
+* the XLA:CPU flag defaults respect the user's own ``XLA_FLAGS``, are chosen by CPU vendor,
+  and put the dots on the kernels they claim to.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +25,11 @@ import pytest
 from jaxlab.config import load_config
 from jaxlab.model import apply, attend, causal_mask, dense, make_model, segment_mask, split_model
 from jaxlab.model.loss import head_cross_entropy
-from jaxlab.runtime.platform import XLA_CPU_DEFAULTS, apply_xla_cpu_defaults
+from jaxlab.runtime.platform import (
+    XLA_CPU_DEFAULTS_BY_VENDOR,
+    apply_xla_cpu_defaults,
+    xla_cpu_defaults,
+)
 from jaxlab.train.step import token_losses
 
 
@@ -180,23 +189,53 @@ def test_dense_flattens_without_changing_the_result():
     assert dense(x[0, 0, 0], k, jnp.float32).shape == (6,)
 
 
-def test_xla_cpu_defaults_respect_user_flags():
-    (name, value), *_ = XLA_CPU_DEFAULTS.items()
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
+def test_xla_cpu_defaults_respect_user_flags(vendor):
+    (name, value), *_ = xla_cpu_defaults(vendor).items()
     env: dict[str, str] = {}
-    assert apply_xla_cpu_defaults(env) == [f"--{name}={value}"]
+    assert apply_xla_cpu_defaults(env, vendor) == [f"--{name}={value}"]
     assert env["XLA_FLAGS"] == f"--{name}={value}"
-    assert apply_xla_cpu_defaults(env) == []  # idempotent
+    assert apply_xla_cpu_defaults(env, vendor) == []  # idempotent
     mine = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 --{name}=foo"}
-    assert apply_xla_cpu_defaults(mine) == []
+    assert apply_xla_cpu_defaults(mine, vendor) == []
     assert mine["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 --{name}=foo"
     other = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    apply_xla_cpu_defaults(other)
+    apply_xla_cpu_defaults(other, vendor)
     assert other["XLA_FLAGS"].split() == [
         "--xla_force_host_platform_device_count=2",
         f"--{name}={value}",
     ]
     off = {"JAXLAB_XLA_CPU_DEFAULTS": "0"}
-    assert apply_xla_cpu_defaults(off) == [] and "XLA_FLAGS" not in off
+    assert apply_xla_cpu_defaults(off, vendor) == [] and "XLA_FLAGS" not in off
+
+
+def test_xla_cpu_defaults_by_vendor():
+    amd = XLA_CPU_DEFAULTS_BY_VENDOR["AuthenticAMD"]
+    assert xla_cpu_defaults("AuthenticAMD") == amd
+    assert xla_cpu_defaults("GenuineIntel") == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert xla_cpu_defaults("") == amd and xla_cpu_defaults("HygonGenuine") == amd
+
+
+_YNN_PROBE = """
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x, w: jnp.sum(x @ w, axis=-1))
+hlo = f.lower(jnp.ones((16, 256)), jnp.ones((256, 1024))).compile().as_text()
+print("ynn" if "__ynn_fusion" in hlo else "xla")
+"""
+
+
+@pytest.mark.parametrize(("vendor", "dot"), [("AuthenticAMD", "ynn"), ("GenuineIntel", "xla")])
+def test_xla_cpu_defaults_pick_the_dot_kernels_they_claim(vendor, dot):
+    """Each vendor's flags, handed to a fresh XLA:CPU, run the dot where the comments in
+    ``jaxlab.runtime.platform`` say: on YNNPACK (AMD) or on XLA's own kernels (Intel). A
+    jaxlib that renamed or reinterpreted the flag would fail here, not silently slow down."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    apply_xla_cpu_defaults(env, vendor)
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", _YNN_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split()[-1] == dot
 
 
 @pytest.mark.parametrize(("t", "n_kv", "segmented"), [(64, 4, False), (128, 2, True)])
