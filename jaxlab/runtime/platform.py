@@ -38,9 +38,10 @@ _JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 #:   keeps the dots and loses the reductions. Its reductions made the bench-small train
 #:   step 1.2-1.4x slower; its dots made the memory-bound decode step 1.3-1.9x faster than
 #:   XLA's own kernels (batch 1 and 8), and the train step the same speed either way.
-#: * ``GenuineIntel`` (measured on two 2-core Intel Xeon VMs with AVX-512 and AMX): the
-#:   empty list, so XLA's own kernels run every op. Its dots make the decode step 12-24%
-#:   faster at 8 and 16 rows and leave batch 1 and the train step the same, within noise.
+#: * ``GenuineIntel`` (measured on a 2-core Intel Xeon VM with AVX-512 and AMX; single
+#:   processes on an earlier one agreed at 16 rows): the empty list, so XLA's own kernels
+#:   run every op. Its dots make the decode step 11-20% faster at 8 and 16 rows and leave
+#:   batch 1 and the train step the same, within noise.
 #: * Any other vendor, or none found: the AMD choice, the one measured longest.
 XLA_CPU_DEFAULTS_BY_VENDOR: dict[str, dict[str, str]] = {
     "AuthenticAMD": {"xla_cpu_experimental_ynn_fusion_type": "individual_dot"},
