@@ -170,3 +170,19 @@ def test_write_cache_per_row_offsets() -> None:
     out = write_cache(cache, new, jnp.array([0, 3], jnp.int32))
     np.testing.assert_array_equal(np.asarray(out[0, :, 0, 0]), [1, 1, 0, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(out[1, :, 0, 0]), [0, 0, 0, 2, 2, 0])
+
+
+def test_write_cache_over_every_slot_is_the_new_values_whatever_the_start() -> None:
+    """A write as long as the cache returns ``new`` (cast to the cache dtype): what
+    ``dynamic_update_slice`` gives, since it clamps any start to 0. Prefill relies on it
+    to skip materialising a zero cache per layer."""
+    cache = jnp.full((2, 3, 1, 2), 7.0, jnp.float32)
+    new = jnp.arange(12, dtype=jnp.bfloat16).reshape(2, 3, 1, 2)
+    start = jnp.array([0, 2], jnp.int32)
+    out = write_cache(cache, new, start)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(new, np.float32))
+    clamped = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0, 0)))(
+        cache, new.astype(jnp.float32), start
+    )
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clamped))
