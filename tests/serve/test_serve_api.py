@@ -750,9 +750,10 @@ def test_requests_admitted_together_share_one_prefill_and_equal_offline(
     assert engine.compiles == s.compiles_after_warmup
 
 
-def test_three_admitted_together_go_as_a_pair_and_a_single(server, engine, run_dir, cfg):
-    """Admission groups are power-of-two sizes: 3 waiting requests (4 free slots) are one
-    2-row prefill (the two shortest) and one single, with outputs equal to offline."""
+def test_three_admitted_together_go_as_one_padded_group(server, engine, run_dir, cfg):
+    """Admission groups have the compiled sizes: 3 waiting requests (4 free slots) are one
+    4-row prefill with a one-token padding row that takes no slot, and each output equals
+    offline generation."""
     from jaxlab.infer.sampling import SamplingParams
 
     s = sched(server)
@@ -764,7 +765,7 @@ def test_three_admitted_together_go_as_a_pair_and_a_single(server, engine, run_d
     ]
     outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
     assert outputs == expected
-    assert prefills == [[5, 9], [30]]
+    assert prefills == [[5, 9, 30, 1]]
     assert engine.compiles == s.compiles_after_warmup
 
 

@@ -218,17 +218,28 @@ def test_admission_sizes_are_powers_of_two_and_the_batch(prefill_batch, sizes):
 
 
 @given(st.integers(1, 16), st.integers(0, 40))
-def test_split_admission_covers_every_request_with_the_fewest_largest_groups(batch, n):
+def test_split_admission_takes_full_groups_then_pads_the_rest_into_one(batch, n):
     sizes = admission_sizes(batch)
     groups = split_admission(n, sizes)
-    assert sum(groups) == n
     assert all(g in sizes for g in groups)
     assert groups == sorted(groups, reverse=True)
-    # Greedy over these sizes is optimal: full groups of ``batch`` first, then the
-    # remainder's binary digits (each power of two at most once).
+    # Every request has a row; the only padding is in the last group, and that group is
+    # the smallest compiled size that holds what the full groups leave.
     full, rest = divmod(n, batch)
     assert groups[:full] == [batch] * full
-    assert groups[full:] == [b for b in sizes[::-1] if b < batch and rest & b][::-1]
+    if rest:
+        assert groups[full:] == [min(s for s in sizes if s >= rest)]
+    else:
+        assert groups[full:] == []
+    assert sum(groups) >= n
+
+
+@pytest.mark.parametrize(
+    ("n", "groups"),
+    [(0, []), (1, [1]), (3, [4]), (5, [8]), (8, [8]), (15, [8, 8]), (17, [8, 8, 1])],
+)
+def test_split_admission_examples(n, groups):
+    assert split_admission(n, admission_sizes(8)) == groups
 
 
 def test_heap_freezes_nest_and_the_last_thaw_unfreezes():
