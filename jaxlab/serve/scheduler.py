@@ -91,8 +91,6 @@ def split_admission(n: int, sizes: Sequence[int]) -> list[int]:
     also costs the engine thread a host round trip. In a closed loop the requests of a
     wave mostly arrive while the first one is prefilled, so 15 waiting is the common case.
     """
-    if n <= 0:
-        return []
     largest = sizes[0]
     full, rest = divmod(n, largest)
     out = [largest] * full
