@@ -44,6 +44,7 @@ from jaxlab.infer.sampling import SamplingArrays, sample
 from jaxlab.infer.state import DecodeState, block_starts
 from jaxlab.model import MASK_VALUE, Transformer, apply_rope
 from jaxlab.model.layers import dense
+from jaxlab.model.reduce import softmax_last
 from jaxlab.model.transformer import Block
 
 Array = jax.Array
@@ -93,7 +94,7 @@ def attend_one(q: Array, k: tuple[Array, ...], v: tuple[Array, ...], visible: Ar
     logits = logits * (1.0 / math.sqrt(d))
     mask = jnp.repeat(visible, n // b, axis=0)[:, None, :]  # [B*K, 1, S]
     logits = jnp.where(mask, logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    probs = softmax_last(logits).astype(q.dtype)
     cuts = list(itertools.accumulate(vb.shape[1] for vb in v[:-1]))
     outs = [
         jnp.einsum("ngs,nsd->ngd", p, vb.astype(q.dtype))

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jaxlab.model.layers import INIT_STD, dense, normal_init, residual_std
+from jaxlab.model.reduce import softmax_last
 
 Array = jax.Array
 AttentionImpl = Literal["einsum", "xla"]
@@ -166,7 +167,7 @@ def attend(
         # [B|1, 1, T, S] -> [B|1, 1, 1, T, S]: broadcasts over (K, G) of [B, K, G, T, S].
         logits = logits.reshape(b, n_kv, g, t, s)
         logits = jnp.where(mask[:, :, None], logits, MASK_VALUE).reshape(b, n_kv, g * t, s)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    probs = softmax_last(logits).astype(v.dtype)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, vh)
     return out.reshape(b, n_kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
