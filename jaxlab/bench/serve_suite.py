@@ -3,7 +3,7 @@
 A server is started in-process on an ephemeral 127.0.0.1 port (uvicorn on a thread, the
 engine on its own thread) over a randomly initialised model of the configured shape with
 the byte tokenizer (throughput does not depend on the weights; ``ignore_eos`` fixes every
-output length). Clients are httpx async clients streaming ``/v1/completions`` (SSE).
+output length). Clients are aiohttp sessions streaming ``/v1/completions`` (SSE).
 Set ``SERVE_BENCH_URL`` (and ``serve.api_key`` if the server needs one) to measure a
 running server instead; the slot comparison then is skipped.
 

@@ -9,6 +9,9 @@ counters in ``/metrics`` add up to what was sent.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,19 @@ class SmokeFailed(Exception):
     pass
 
 
+def _request(url: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+    """``(status, text)`` of a GET, or of a JSON POST when ``body`` is given (stdlib only:
+    a handful of blocking requests from a thread pool)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def serve_smoke(run_dir: Path, cfg: JaxlabConfig, *, requests: int = 8) -> dict[str, Any]:
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     from jaxlab.infer.engine import Engine, Request
@@ -37,19 +51,18 @@ def serve_smoke(run_dir: Path, cfg: JaxlabConfig, *, requests: int = 8) -> dict[
     ]
     with ServerThread(service) as srv:
         srv.wait_ready()
-        with httpx.Client(base_url=srv.url, timeout=120) as client:
-            ready = client.get("/ready").status_code
+        ready, _ = _request(srv.url + "/ready")
 
-            def one(body: dict[str, Any]) -> httpx.Response:
-                return client.post("/v1/completions", json=body)
+        def one(body: dict[str, Any]) -> tuple[int, str]:
+            return _request(srv.url + "/v1/completions", body)
 
-            with concurrent.futures.ThreadPoolExecutor(max_workers=requests) as pool:
-                answers = list(pool.map(one, bodies))
-            metrics_text = client.get("/metrics").text
-    statuses = [a.status_code for a in answers]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=requests) as pool:
+            answers = list(pool.map(one, bodies))
+        _, metrics_text = _request(srv.url + "/metrics")
+    statuses = [status for status, _ in answers]
     if ready != 200 or any(s != 200 for s in statuses):
         raise SmokeFailed(f"/ready {ready}, completions statuses {statuses}")
-    texts = [a.json()["choices"][0]["text"] for a in answers]
+    texts = [json.loads(text)["choices"][0]["text"] for _, text in answers]
 
     engine = Engine.from_run_dir(run_dir, cfg=serve_cfg)
     offline = engine.generate(

@@ -188,7 +188,7 @@ class ServerThread:
 
         with ServerThread(service) as srv:       # binds 127.0.0.1, an ephemeral port
             srv.wait_ready()
-            httpx.get(srv.url + "/ready")
+            urllib.request.urlopen(srv.url + "/ready")
     """
 
     def __init__(self, service: ModelService, *, host: str = "127.0.0.1", port: int = 0) -> None:
