@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 URL_ENV = "SERVE_BENCH_URL"
 SWEEP_SLOTS = 16
 COMPARE_CONCURRENCY = 16
+#: Requests per comparison round (each side gets the same ones).
+COMPARE_REQUESTS = 96
 TARGET_SPEEDUP = 4.0
 
 
@@ -185,7 +187,10 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
 
         # ---- the comparison: the same requests against 16 slots and 1 slot, interleaved
         urls = {SWEEP_SLOTS: url, 1: start(1)}
-        n = 32 if ctx.quick else 48
+        # Six waves of the 16-slot server per round (about 2.5 s here). With 48 requests
+        # its round lasted about 1.3 s against the 1-slot side's 5.5 s, so one stall of
+        # the shared VM moved a round's ratio by several percent.
+        n = 32 if ctx.quick else COMPARE_REQUESTS
         plans = [
             ("temperature=0.8", 0.8, 1 if ctx.quick else 2),
             ("greedy", 0.0, 1 if ctx.quick else 3),
