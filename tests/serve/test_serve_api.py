@@ -867,3 +867,35 @@ def test_zz_nothing_compiled_while_serving(server, engine):
     assert warm["prefill"] == 3 * len(engine.buckets) == 6
     assert warm["insert"] == 1 and warm["insert_rows"] == 2 and warm["decode"] == 1
     assert engine.compiles == warm
+
+
+def test_load_generator_counts_tokens_and_sorts_failures(server):
+    """``jaxlab bench serve``'s client against the real server: the good requests' token
+    counts come from ``usage``, their stream events are timed, and a refused request is
+    counted as an error under its status (not raised, not dropped)."""
+    from jaxlab.serve.loadgen import closed_loop, completion_bodies, make_prompts
+
+    bodies = completion_bodies(make_prompts(6, 8, seed=3), 12, temperature=0.0)
+    bodies[2] = {**bodies[2], "max_tokens": 1000}  # over serve.max_tokens_limit: 400
+    load = closed_loop(server.url, bodies, concurrency=3)
+    assert load.errors == 1 and load.error_summary() == {"400": 1}
+    bad = load.results[[r.status for r in load.results].index(400)]
+    assert not bad.ok and "max_tokens" in (bad.error or "")
+    assert len(load.ok) == 5 and load.output_tokens == 5 * 12
+    for r in load.ok:
+        assert r.status == 200 and r.ttft_s is not None and r.event_times
+        assert r.t_start < r.event_times[0] <= r.event_times[-1] <= r.t_end
+    assert load.output_tokens_per_s > 0 and load.wall_s > 0
+
+
+def test_load_generator_reports_an_unreachable_server_as_errors():
+    from jaxlab.serve.loadgen import closed_loop, completion_bodies
+    from jaxlab.serve.server import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)  # a port nothing listens on once closed
+    port = sock.getsockname()[1]
+    sock.close()
+    load = closed_loop(f"http://127.0.0.1:{port}", completion_bodies(["hi"] * 2, 4), 2)
+    assert load.errors == 2 and not load.ok
+    assert all(r.status == 0 and r.error for r in load.results)
+    assert sum(load.error_summary().values()) == 2
