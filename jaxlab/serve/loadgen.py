@@ -148,11 +148,20 @@ def completion_bodies(
     return out
 
 
-async def one_request(session: aiohttp.ClientSession, body: dict[str, Any]) -> RequestResult:
+def completions_url(url: str) -> str:
+    """The ``/v1/completions`` endpoint under a server's base ``url`` (which may carry a path
+    prefix, e.g. behind a proxy)."""
+    return url.rstrip("/") + "/v1/completions"
+
+
+async def one_request(
+    session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any]
+) -> RequestResult:
+    """One streamed completion against ``endpoint`` (:func:`completions_url`)."""
     t0 = time.perf_counter()
     res = RequestResult(ok=False, status=0, t_start=t0, t_end=t0)
     try:
-        async with session.post("/v1/completions", json=body) as r:
+        async with session.post(endpoint, json=body) as r:
             res.status = r.status
             if r.status != 200:
                 res.error = (await r.text())[:200]
@@ -188,12 +197,9 @@ async def one_request(session: aiohttp.ClientSession, body: dict[str, Any]) -> R
     return res
 
 
-def _session(
-    url: str, api_key: str | None, connections: int, timeout_s: float
-) -> aiohttp.ClientSession:
+def _session(api_key: str | None, connections: int, timeout_s: float) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return aiohttp.ClientSession(
-        base_url=url,
         headers=headers,
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         connector=aiohttp.TCPConnector(limit=connections),
@@ -210,11 +216,12 @@ async def closed_loop_async(
 ) -> LoadResult:
     todo = list(reversed(bodies))
     results: list[RequestResult] = []
-    async with _session(url, api_key, concurrency, timeout_s) as session:
+    endpoint = completions_url(url)
+    async with _session(api_key, concurrency, timeout_s) as session:
 
         async def worker() -> None:
             while todo:
-                results.append(await one_request(session, todo.pop()))
+                results.append(await one_request(session, endpoint, todo.pop()))
 
         t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -232,7 +239,8 @@ async def poisson_async(
     timeout_s: float = 300.0,
 ) -> LoadResult:
     rng = random.Random(seed)
-    async with _session(url, api_key, max(len(bodies), 1), timeout_s) as session:
+    endpoint = completions_url(url)
+    async with _session(api_key, max(len(bodies), 1), timeout_s) as session:
         t0, c0 = time.perf_counter(), time.process_time()
         tasks = []
         t_next = 0.0
@@ -240,7 +248,7 @@ async def poisson_async(
             delay = t0 + t_next - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one_request(session, body)))
+            tasks.append(asyncio.ensure_future(one_request(session, endpoint, body)))
             t_next += rng.expovariate(rate_per_s)
         results = list(await asyncio.gather(*tasks))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -263,6 +271,7 @@ __all__ = [
     "closed_loop",
     "closed_loop_async",
     "completion_bodies",
+    "completions_url",
     "make_prompts",
     "one_request",
     "poisson",

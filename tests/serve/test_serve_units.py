@@ -257,3 +257,10 @@ def test_heap_freezes_nest_and_the_last_thaw_unfreezes():
         service._thaw_startup_heap()
     assert gc.get_freeze_count() == 0
     assert any(o is probe for o in gc.get_objects())
+
+
+def test_completions_url_keeps_a_path_prefix():
+    from jaxlab.serve.loadgen import completions_url
+
+    assert completions_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000/v1/completions"
+    assert completions_url("http://h:1/api/") == "http://h:1/api/v1/completions"
