@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 
 from jaxlab.config.schema import InferenceConfig
-from jaxlab.model.reduce import reduce_last
+from jaxlab.model.reduce import first_index_of, reduce_last
 
 Array = jax.Array
 
@@ -185,7 +185,7 @@ def top_k_top_p_mask(logits: Array, top_k: Array, top_p: Array) -> Array:
         return reduce_last(jnp.where(key > t, probs, 0.0), "sum")
 
     above = _largest_key_where(lambda t: mass_above(t) >= p, b)
-    some_reach = mass_above(jnp.zeros((b, 1), jnp.uint32)) >= p
+    some_reach = mass_above(jnp.uint32(0)) >= p
     keep_p = (key > above[:, None]) | ~some_reach[:, None] | (p[:, None] >= 1.0)
     return keep_k & keep_p
 
@@ -206,10 +206,7 @@ def argmax(logits: Array) -> Array:
     ``[8, 8192]``), and the greedy path runs it every decode step. Both reductions run in
     two stages (:func:`jaxlab.model.reduce.reduce_last`; both are exact).
     """
-    v = logits.shape[-1]
-    top = reduce_last(logits, "max")[..., None]
-    idx = jnp.arange(v, dtype=jnp.int32)
-    return reduce_last(jnp.where(logits == top, idx, v), "min").astype(jnp.int32)
+    return first_index_of(logits, reduce_last(logits, "max"))
 
 
 #: Vocabulary block of the two-level inverse-CDF search (``V / BLOCK`` blocks, then one).

@@ -49,6 +49,16 @@ def reduce_last(x: Array, op: ReduceOp) -> Array:
     return fn(jax.lax.optimization_barrier(partial), axis=-1)
 
 
+def first_index_of(x: Array, value: Array) -> Array:
+    """Per row, the first index along the last axis where ``x == value[..., None]`` (int32;
+    ``n`` where there is none). With ``value`` the row's max this is ``argmax`` with its
+    first-index tie-break, as a min-reduce over the matching positions: XLA:CPU lowers
+    ``jnp.argmax`` to a variadic (value, index) reduce that is several times slower."""
+    n = x.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return reduce_last(jnp.where(x == value[..., None], iota, n), "min")
+
+
 def softmax_last(x: Array) -> Array:
     """``jax.nn.softmax(x, axis=-1)`` with both of its reductions in two stages.
 

@@ -858,17 +858,6 @@ def test_requests_done_in_prefill_cannot_starve_decoding(server, engine):
     assert len(long.token_ids) == 90
 
 
-def test_zz_nothing_compiled_while_serving(server, engine):
-    """Runs last in the module: all the traffic above compiled nothing new."""
-    warm = sched(server).compiles_after_warmup
-    assert warm is not None
-    # One prefill per (bucket, admission group size): groups of 1, 2 and 4 (serve.prefill_batch
-    # = the 4 slots here); insert_rows once per group size above 1.
-    assert warm["prefill"] == 3 * len(engine.buckets) == 6
-    assert warm["insert"] == 1 and warm["insert_rows"] == 2 and warm["decode"] == 1
-    assert engine.compiles == warm
-
-
 def test_load_generator_counts_tokens_and_sorts_failures(server):
     """``jaxlab bench serve``'s client against the real server: the good requests' token
     counts come from ``usage``, their stream events are timed, and a refused request is
@@ -899,3 +888,14 @@ def test_load_generator_reports_an_unreachable_server_as_errors():
     assert load.errors == 2 and not load.ok
     assert all(r.status == 0 and r.error for r in load.results)
     assert sum(load.error_summary().values()) == 2
+
+
+def test_zz_nothing_compiled_while_serving(server, engine):
+    """Runs last in the module: all the traffic above compiled nothing new."""
+    warm = sched(server).compiles_after_warmup
+    assert warm is not None
+    # One prefill per (bucket, admission group size): groups of 1, 2 and 4 (serve.prefill_batch
+    # = the 4 slots here); insert_rows once per group size above 1.
+    assert warm["prefill"] == 3 * len(engine.buckets) == 6
+    assert warm["insert"] == 1 and warm["insert_rows"] == 2 and warm["decode"] == 1
+    assert engine.compiles == warm
