@@ -17,7 +17,8 @@ Cases:
 
 Records per case: ``e2e_s`` (derived: requests/s, output tokens/s, errors, TTFT p99 and,
 with the server in-process, ``process_cpu_cores``: CPU seconds of the whole process,
-engine, HTTP and clients, per wall second, beside ``cpu_count``),
+engine, HTTP and clients, per wall second, beside ``cpu_count``, and the server's
+``decode_groups``, ``serve.decode_groups`` resolved),
 ``ttft_s``, ``tpot_s`` and ``itl_s`` (gaps between SSE events; one event carries up to
 ``inference.stream_chunk_tokens`` tokens). Tails follow the harness rule (withheld under
 ``bench.min_samples_for_tails`` samples).
@@ -65,14 +66,17 @@ def _serve_cfg(cfg: JaxlabConfig, slots: int, new_tokens: int) -> JaxlabConfig:
 
 
 @contextlib.contextmanager
-def _server(engine: Any, cfg: JaxlabConfig, slots: int, new_tokens: int) -> Iterator[str]:
+def _server(
+    engine: Any, cfg: JaxlabConfig, slots: int, new_tokens: int
+) -> Iterator[tuple[str, int]]:
+    """A ready in-process server: ``(url, decode groups it runs)``."""
     from jaxlab.serve import ModelService, ServerThread
 
     service = ModelService.from_engine(engine, _serve_cfg(cfg, slots, new_tokens))
     srv = ServerThread(service).start()
     try:
         srv.wait_ready(timeout_s=1800)
-        yield srv.url
+        yield srv.url, service.info()["decode_groups"]
     finally:
         srv.stop()
 
@@ -151,13 +155,14 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
         return closed_loop(url, bodies(n, seed, temperature), concurrency, api_key=api_key)
 
     engine = None if external else _engine(cfg)
+    groups: dict[int, int] = {}  # slots -> the server's decode groups (in-process only)
     with contextlib.ExitStack() as stack:
 
         def start(slots: int) -> str:
             if external:
                 return external
             ctx.status(f"starting a {slots}-slot server (warm-up compiles every bucket)")
-            url = stack.enter_context(_server(engine, cfg, slots, new))
+            url, groups[slots] = stack.enter_context(_server(engine, cfg, slots, new))
             run(url, min(4, slots), min(4, slots), seed=999)  # untimed
             return url
 
@@ -172,7 +177,8 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
             load = run(url, n, c, seed=c)
             if c == COMPARE_CONCURRENCY and load.ok:
                 capacity = load.requests_per_s
-            yield from _records(ctx, load, case, {"sampling": "greedy"}, in_process=not external)
+            extra = {"sampling": "greedy", **_groups(groups, SWEEP_SLOTS)}
+            yield from _records(ctx, load, case, extra, in_process=not external)
         if capacity:
             n = 16 if ctx.quick else 48
             for frac in [0.7] if ctx.quick else [0.5, 0.9]:
@@ -180,7 +186,8 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                 case = {"mode": "poisson", "load": frac, "slots": slots_label, **base}
                 ctx.status(f"Poisson arrivals at {rate:.2f} req/s")
                 load = poisson(url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key)
-                yield from _records(ctx, load, case, {"rate_per_s": rate}, in_process=not external)
+                extra = {"rate_per_s": rate, **_groups(groups, SWEEP_SLOTS)}
+                yield from _records(ctx, load, case, extra, in_process=not external)
         if external:
             ctx.status(f"{URL_ENV} set: skipping the 16-slot vs 1-slot comparison")
             return
@@ -210,8 +217,12 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                         "round": rep,
                         **base,
                     }
-                    yield from _records(ctx, load, case, in_process=True)
-            yield _speedup(ctx, results[SWEEP_SLOTS], results[1], sampling, base)
+                    yield from _records(ctx, load, case, _groups(groups, slots), in_process=True)
+            yield _speedup(ctx, results[SWEEP_SLOTS], results[1], sampling, base, groups)
+
+
+def _groups(groups: dict[int, int], slots: int) -> dict[str, int]:
+    return {"decode_groups": groups[slots]} if slots in groups else {}
 
 
 def _speedup(
@@ -220,6 +231,7 @@ def _speedup(
     one: list[LoadResult],
     sampling: str,
     base: dict[str, Any],
+    groups: dict[int, int],
 ) -> Record:
     """One ratio per round (each round measures 16 slots, then 1 slot, back to back)."""
     case = {"concurrency": COMPARE_CONCURRENCY, "sampling": sampling, **base}
@@ -247,6 +259,8 @@ def _speedup(
             "ttft_p99_s_1slot": _p(ttft_one, 99, n_min),
             "process_cpu_cores": sum(r.cpu_cores for r in many) / len(many),
             "process_cpu_cores_1slot": sum(r.cpu_cores for r in one) / len(one),
+            "decode_groups": groups.get(SWEEP_SLOTS),
+            "decode_groups_1slot": groups.get(1),
             "errors": sum(r.errors for r in [*many, *one]),
             "target": TARGET_SPEEDUP,
             "meets_target": min(ratios) >= TARGET_SPEEDUP,

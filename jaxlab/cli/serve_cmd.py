@@ -128,7 +128,8 @@ def register(app: typer.Typer) -> None:
             sched = service.scheduler
             console.print(
                 f"ready: {url}  model {info['model']} (step {info['checkpoint_step']}, "
-                f"{info['platform']}, {info['precision']}), {info['slots']} slots, "
+                f"{info['platform']}, {info['precision']}), {info['slots']} slots "
+                f"in {info['decode_groups']} decode group(s), "
                 f"max_len {info['max_len']}, buckets {info['prefill_buckets']}, "
                 f"warm-up {sched.warmup_s if sched else 0:.1f}s{_cache_note(sched)}",
                 markup=False,

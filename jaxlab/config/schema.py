@@ -250,6 +250,15 @@ class ServeConfig(Section):
             " groups use the powers of two below it (1 = one at a time)."
         ),
     )
+    decode_groups: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Slot groups decoded concurrently, each its own batch on its own thread; must"
+            " divide serve.slots. 0 = auto: on the CPU backend the largest divisor of slots"
+            " at most the usable cores, elsewhere 1."
+        ),
+    )
     max_queue: int = Field(
         default=64, ge=1, description="Waiting requests before 503 + Retry-After."
     )
@@ -352,6 +361,12 @@ class JaxlabConfig(Section):
                 )
         if m.positions == "learned" and (inf.max_len or m.max_seq_len) > m.max_seq_len:
             errors.append("inference.max_len: learned positions stop at model.max_seq_len")
+        sv = self.serve
+        if sv.decode_groups and sv.slots % sv.decode_groups:
+            errors.append(
+                f"serve.decode_groups: must divide serve.slots (got {sv.decode_groups} and "
+                f"{sv.slots}); use a divisor of {sv.slots}, or 0 for one group per CPU core"
+            )
         if errors:
             raise ValueError("\n".join(errors))
         return self

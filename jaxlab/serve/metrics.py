@@ -120,6 +120,11 @@ class ServeMetrics:
         self.slots = Gauge(
             "jaxlab_num_slots", "Decode slots (the batch of the KV cache).", registry=r
         )
+        self.decode_groups = Gauge(
+            "jaxlab_decode_groups",
+            "Slot groups decoded concurrently, each its own batch and thread.",
+            registry=r,
+        )
         self.model_state = Gauge(
             "jaxlab_model_state",
             "1 for the current model lifecycle state, 0 for the others.",

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from jaxlab.serve.lifecycle import Lifecycle, ModelState
 from jaxlab.serve.metrics import ServeMetrics
-from jaxlab.serve.scheduler import GenRequest, NotAccepting, RequestHandle, Scheduler
+from jaxlab.serve.scheduler import (
+    GenRequest,
+    NotAccepting,
+    RequestHandle,
+    Scheduler,
+    decode_groups_for,
+)
 
 if TYPE_CHECKING:
     from jaxlab.config import JaxlabConfig
@@ -132,6 +138,7 @@ class ModelService:
             "platform": eng.platform if eng is not None else None,
             "precision": eng.precision if eng is not None else None,
             "slots": self.serve_cfg.slots,
+            "decode_groups": len(self.scheduler.groups) if self.scheduler is not None else None,
             "max_len": eng.max_len if eng is not None else None,
             "prefill_buckets": list(eng.buckets) if eng is not None else None,
             "chunk_tokens": self.scheduler.chunk_tokens if self.scheduler is not None else None,
@@ -169,9 +176,13 @@ class ModelService:
                 lc.to(ModelState.STOPPED)
                 return
             lc.to(ModelState.WARMING)
+            groups = decode_groups_for(
+                self.serve_cfg.slots, self.serve_cfg.decode_groups, engine.platform
+            )
             sched = Scheduler(
                 engine,
                 slots=self.serve_cfg.slots,
+                decode_groups=groups,
                 prefill_batch=self.serve_cfg.prefill_batch,
                 max_queue=self.serve_cfg.max_queue,
                 request_timeout_s=self.serve_cfg.request_timeout_s,

@@ -102,3 +102,6 @@ def test_slot_speedup_is_the_ratio_of_the_rounds_it_summarises(serve_run):
         assert d["output_tokens_per_s_1slot"] == pytest.approx(
             rounds[1].derived["output_tokens_per_s"]
         )
+        # The servers say how many slot groups they ran: the 1-slot one always one.
+        assert d["decode_groups_1slot"] == rounds[1].derived["decode_groups"] == 1
+        assert d["decode_groups"] == rounds[16].derived["decode_groups"] >= 1

@@ -30,6 +30,7 @@ OVERRIDES = [
     "inference.prefill_buckets=[32,128]",
     "inference.stream_chunk_tokens=8",
     "serve.slots=4",
+    "serve.decode_groups=2",  # two groups of 2 slots on any machine: the threaded path
     "serve.max_tokens_limit=100",
 ]
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -235,6 +236,34 @@ def test_32_concurrent_requests_equal_offline_generate(server, engine, run_dir, 
     alone = sum(-(-max(r["max_tokens"] - 1, 0) // 8) for r in reqs)
     assert chunks < alone
     assert sched(server).idle
+
+
+@pytest.mark.slow
+def test_one_slot_group_serves_the_same_tokens(server, run_dir, cfg):
+    """``serve.decode_groups=1`` (one batched state, the scheduler's plain path) answers
+    the same tokens as the module's two-group server. Its own engine: a 4-row decode
+    state is another compile, which must not count against the module server's engine."""
+    from jaxlab.infer.engine import Engine
+
+    reqs = mixed_requests(12)
+    one = cfg.model_copy(deep=True)
+    one.serve.decode_groups = 1
+
+    async def send_all(url: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            rs = await asyncio.gather(*(client.post("/v1/generate", json=r) for r in reqs))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json() for r in rs]
+
+    with serving(Engine.from_run_dir(run_dir, cfg=cfg), one) as srv:
+        assert [list(g.slots) for g in sched(srv).groups] == [[0, 1, 2, 3]]
+        assert srv.service.info()["decode_groups"] == 1
+        assert metric(metrics(srv.url), "jaxlab_decode_groups") == 1
+        single = asyncio.run(send_all(srv.url))
+    grouped = asyncio.run(send_all(server.url))
+    assert [r["token_ids"] for r in single] == [r["token_ids"] for r in grouped]
+    assert server.service.info()["decode_groups"] == 2
+    assert metric(metrics(server.url), "jaxlab_decode_groups") == 2
 
 
 def test_output_does_not_depend_on_the_rest_of_the_batch(server):
@@ -766,6 +795,49 @@ def test_three_admitted_together_go_as_one_padded_group(server, engine, run_dir,
     outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
     assert outputs == expected
     assert prefills == [[5, 9, 30, 1]]
+    assert engine.compiles == s.compiles_after_warmup
+
+
+def test_requests_spread_over_the_slot_groups_which_decode_side_by_side(
+    server, engine, run_dir, cfg
+):
+    """``serve.decode_groups=2``: slots 0-1 and 2-3 are two batched states. Requests
+    admitted together take the least busy group's lowest free slot, so three of them land
+    in slots 0, 2 and 1 (one ``insert_rows`` per group, with the group's own row indices);
+    every chunk then runs both groups, each dispatched from its own thread; and each output
+    equals offline generation."""
+    from jaxlab.infer.sampling import SamplingParams
+
+    s = sched(server)
+    assert [list(g.slots) for g in s.groups] == [[0, 1], [2, 3]]
+    reqs = [
+        ([51] * 4, SamplingParams(max_new_tokens=20, ignore_eos=True)),
+        ([52] * 7, SamplingParams(max_new_tokens=17, temperature=0.8, seed=2, ignore_eos=True)),
+        ([53] * 3, SamplingParams(max_new_tokens=23, ignore_eos=True)),
+    ]
+    inserts: list[tuple[int, list[int]]] = []
+    chunks: list[tuple[int, str]] = []
+    insert_rows, generate_chunk = engine.insert_rows, engine.generate_chunk
+
+    def record_insert(prefix: Any, state: Any, slots: Any) -> Any:
+        inserts.append((state.slots, list(slots)))
+        return insert_rows(prefix, state, slots)
+
+    def record_chunk(state: Any, *args: Any, **kwargs: Any) -> Any:
+        chunks.append((state.slots, threading.current_thread().name))
+        return generate_chunk(state, *args, **kwargs)
+
+    engine.insert_rows, engine.generate_chunk = record_insert, record_chunk
+    try:
+        outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
+    finally:
+        del engine.insert_rows, engine.generate_chunk
+    assert outputs == expected
+    assert prefills == [[3, 4, 7, 1]]  # by prompt length; the padding row takes no slot
+    assert inserts == [(2, [0, -1, 1, -1]), (2, [-1, 0, -1, -1])]
+    assert {rows for rows, _ in chunks} == {2}
+    threads = {name for _, name in chunks}
+    assert threads == {"jaxlab-decode-0_0", "jaxlab-decode-1_0"}, threads
     assert engine.compiles == s.compiles_after_warmup
 
 

@@ -45,6 +45,11 @@ def test_serve_usage_errors_exit_2(run_dir, tmp_path):
     assert r.returncode == 2 and "only overrides" in r.stderr
     r = run_cli("serve", "--run-dir", str(run_dir), "--step", "999")
     assert r.returncode == 2 and "no such checkpoint" in r.stderr
+    r = run_cli(
+        "serve", "--run-dir", str(run_dir), "--slots", "6", "--set", "serve.decode_groups=4"
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "serve.decode_groups: must divide serve.slots (got 4 and 6)" in r.stderr
 
 
 class Served:

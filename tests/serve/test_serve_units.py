@@ -12,7 +12,7 @@ from jaxlab.config import ConfigError
 from jaxlab.serve.lifecycle import TRANSITIONS, IllegalTransition, Lifecycle, ModelState
 from jaxlab.serve.metrics import ServeMetrics
 from jaxlab.serve.protocol import ApiError, CompletionBody, GenerateBody, parse_json, validate
-from jaxlab.serve.scheduler import admission_sizes, split_admission
+from jaxlab.serve.scheduler import admission_sizes, decode_groups_for, split_admission
 from jaxlab.serve.text import TextAssembler
 from jaxlab.tokenizer import byte_tokenizer
 
@@ -240,6 +240,44 @@ def test_split_admission_takes_full_groups_then_pads_the_rest_into_one(batch, n)
 )
 def test_split_admission_examples(n, groups):
     assert split_admission(n, admission_sizes(8)) == groups
+
+
+@given(st.integers(1, 64), st.integers(1, 16))
+def test_auto_decode_groups_split_the_slots_evenly_one_per_core_at_most(slots, cores):
+    groups = decode_groups_for(slots, 0, "cpu", cores=cores)
+    assert slots % groups == 0 and 1 <= groups <= cores
+    # The most groups that do: no larger divisor of slots fits under the core count.
+    assert not any(slots % g == 0 for g in range(groups + 1, min(slots, cores) + 1))
+
+
+@pytest.mark.parametrize(
+    ("slots", "requested", "platform", "cores", "groups"),
+    [
+        (16, 0, "cpu", 2, 2),  # the bench-small server on a 2-core CPU: 2 groups of 8
+        (16, 0, "cpu", 1, 1),
+        (1, 0, "cpu", 2, 1),  # the 1-slot baseline has nothing to split
+        (3, 0, "cpu", 2, 1),  # 3 slots do not split in two
+        (12, 0, "cpu", 8, 6),
+        (16, 0, "gpu", 8, 1),  # one device runs one program at a time: no groups
+        (16, 0, "tpu", 8, 1),
+        (16, 4, "cpu", 2, 4),  # an explicit value is taken as it is
+        (16, 1, "cpu", 8, 1),
+    ],
+)
+def test_decode_groups_examples(slots, requested, platform, cores, groups):
+    assert decode_groups_for(slots, requested, platform, cores=cores) == groups
+
+
+def test_decode_groups_must_divide_the_slots():
+    from jaxlab.config import load_config
+
+    with pytest.raises(ValueError, match="decode_groups=3 must divide slots=16"):
+        decode_groups_for(16, 3, "cpu")
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["serve.slots=16", "serve.decode_groups=3"], environ={})
+    assert "serve.decode_groups: must divide serve.slots (got 3 and 16)" in str(e.value)
+    assert "use a divisor of 16, or 0" in str(e.value)
+    assert load_config("tiny", ["serve.slots=16", "serve.decode_groups=4"]).serve.decode_groups == 4
 
 
 def test_heap_freezes_nest_and_the_last_thaw_unfreezes():
