@@ -178,6 +178,32 @@ def decode_groups_for(slots: int, requested: int, platform: str, cores: int | No
     return max(g for g in range(1, cap + 1) if slots % g == 0)
 
 
+def pick_slots(busy: Sequence[bool], group_rows: int, n: int) -> list[int]:
+    """``n`` free slots (``busy[s]`` false) for new requests, in the order they are taken.
+
+    Slots ``g * group_rows ..`` form group ``g``. Each request takes the lowest free slot
+    of the group with the fewest busy slots (ties: the lowest group), counting the ones
+    taken before it: requests spread over the groups, so the groups' chunks share the work,
+    and pack low within a group, as a decode step computes a group's rows only up to its
+    last busy one. With one group: the ``n`` lowest free slots. Raises ``ValueError`` if
+    fewer than ``n`` are free.
+    """
+    taken = list(busy)
+    groups = [range(g, min(g + group_rows, len(busy))) for g in range(0, len(busy), group_rows)]
+    load = [sum(taken[s] for s in r) for r in groups]
+    out: list[int] = []
+    for _ in range(n):
+        open_groups = [i for i, r in enumerate(groups) if not all(taken[s] for s in r)]
+        if not open_groups:
+            raise ValueError(f"{n} slots asked, {busy.count(False)} free")
+        i = min(open_groups, key=lambda i: (load[i], i))
+        slot = next(s for s in groups[i] if not taken[s])
+        taken[slot] = True
+        load[i] += 1
+        out.append(slot)
+    return out
+
+
 class _SlotGroup:
     """Slots ``start .. start + rows - 1``: one batched decode state of ``rows`` rows, and
     the one thread that dispatches every computation on it.
@@ -623,24 +649,8 @@ class Scheduler:
             self._reset_state()
 
     def _free_slots(self, n: int) -> list[int]:
-        """``n`` free slots for new requests, each in the group with the fewest busy slots
-        (then the lowest group, then its lowest slot): requests spread over the groups so
-        the groups' chunks share the work, and pack low within a group, as a decode step
-        computes a group's rows only up to its last busy one."""
-        busy = [sum(self._running[s] is not None for s in g.slots) for g in self.groups]
-        taken: list[int] = []
-        for _ in range(n):
-            open_groups = [
-                i
-                for i, g in enumerate(self.groups)
-                if any(self._running[s] is None and s not in taken for s in g.slots)
-            ]
-            i = min(open_groups, key=lambda i: (busy[i], i))
-            taken.append(
-                next(s for s in self.groups[i].slots if self._running[s] is None and s not in taken)
-            )
-            busy[i] += 1
-        return taken
+        busy = [h is not None for h in self._running]
+        return pick_slots(busy, self.groups[0].rows, n)
 
     def _take_admissible(self, limit: int) -> list[RequestHandle]:
         """Pop as many waiting requests as there are free slots, at most ``limit`` (caller

@@ -12,7 +12,12 @@ from jaxlab.config import ConfigError
 from jaxlab.serve.lifecycle import TRANSITIONS, IllegalTransition, Lifecycle, ModelState
 from jaxlab.serve.metrics import ServeMetrics
 from jaxlab.serve.protocol import ApiError, CompletionBody, GenerateBody, parse_json, validate
-from jaxlab.serve.scheduler import admission_sizes, decode_groups_for, split_admission
+from jaxlab.serve.scheduler import (
+    admission_sizes,
+    decode_groups_for,
+    pick_slots,
+    split_admission,
+)
 from jaxlab.serve.text import TextAssembler
 from jaxlab.tokenizer import byte_tokenizer
 
@@ -278,6 +283,51 @@ def test_decode_groups_must_divide_the_slots():
     assert "serve.decode_groups: must divide serve.slots (got 3 and 16)" in str(e.value)
     assert "use a divisor of 16, or 0" in str(e.value)
     assert load_config("tiny", ["serve.slots=16", "serve.decode_groups=4"]).serve.decode_groups == 4
+
+
+@st.composite
+def slot_table(draw: st.DrawFn) -> tuple[list[bool], int, int]:
+    rows = draw(st.integers(1, 8))
+    busy = draw(
+        st.lists(st.booleans(), min_size=rows, max_size=rows * 4).map(
+            lambda b: b[: len(b) - len(b) % rows]
+        )
+    )
+    n = draw(st.integers(0, busy.count(False)))
+    return busy, rows, n
+
+
+@given(slot_table())
+def test_new_requests_take_the_least_busy_groups_lowest_free_slots(table):
+    busy, rows, n = table
+    picked = pick_slots(busy, rows, n)
+    assert len(set(picked)) == n and not any(busy[s] for s in picked)
+    after = list(busy)
+    for s in picked:
+        after[s] = True
+    groups = [range(g, g + rows) for g in range(0, len(busy), rows)]
+    load = [sum(after[s] for s in r) for r in groups]
+    for g, r in enumerate(groups):
+        mine = [s for s in picked if s in r]
+        # Within a group, the lowest free slots, lowest first.
+        assert mine == [s for s in r if not busy[s]][: len(mine)]
+        # Balance: a group that got a request is at most one busier than any group that
+        # still has a free slot (else that group would have taken it).
+        if mine:
+            for h, other in enumerate(groups):
+                if not all(after[s] for s in other):
+                    assert load[g] <= load[h] + 1, (busy, rows, picked)
+    if len(groups) == 1:
+        assert picked == [s for s in range(len(busy)) if not busy[s]][:n]
+
+
+def test_pick_slots_examples():
+    free = [False] * 4
+    assert pick_slots(free, 2, 3) == [0, 2, 1]  # the scheduler test's three requests
+    assert pick_slots([True, False, False, False], 2, 2) == [2, 1]
+    assert pick_slots(free, 4, 4) == [0, 1, 2, 3]  # one group: lowest first
+    with pytest.raises(ValueError, match="3 slots asked, 2 free"):
+        pick_slots([True, False, True, False], 2, 3)
 
 
 def test_heap_freezes_nest_and_the_last_thaw_unfreezes():
