@@ -36,9 +36,8 @@ scheduler answers through per-request queues: an ``asyncio.Queue`` fed with
 A slot is freed on the device by inserting an empty one-row state (``done``, budget 0)
 over it, so a cancelled or stop-string-finished row stops computing at once and the
 decode loop's early exit ("every row done") still works (the insert runs after the
-group's chunk in flight). Warm-up compiles every
-prefill bucket, ``insert`` and ``decode`` (once for the group's rows); after it nothing
-compiles while serving.
+group's chunk in flight). Warm-up compiles every prefill bucket, ``insert`` and ``decode``
+(once for the group's rows); after it nothing compiles while serving.
 """
 
 from __future__ import annotations
@@ -628,29 +627,19 @@ class Scheduler:
                 self._finish(h, error=_timeout_error(self.request_timeout_s))
 
     def _release(self, h: RequestHandle) -> None:
-        """Free ``h``'s slot: on the device (insert an empty row) and on the host."""
+        """Free ``h``'s slot: on the host, and on the device (an empty row inserted over it
+        in its group, after the group's chunk in flight)."""
         slot = h.slot
         if slot is None:
             return
         self._running[slot] = None
         h.slot = None
-        self._free_on_device(slot)
-
-    def _group_of(self, slot: int) -> _SlotGroup:
-        return self.groups[slot // self.groups[0].rows]
-
-    def _free_on_device(self, slot: int) -> None:
-        """Insert an empty row over ``slot`` (after the group's chunk in flight, if any)."""
-        g = self._group_of(slot)
+        g = self.groups[slot // self.groups[0].rows]
         try:
             g.state = g.call(self.engine.insert, self._empty, g.state, slot - g.start)
         except Exception:  # the state is unusable: start from a fresh one
             log.exception("freeing slot %d failed; resetting the decode state", slot)
             self._reset_state()
-
-    def _free_slots(self, n: int) -> list[int]:
-        busy = [h is not None for h in self._running]
-        return pick_slots(busy, self.groups[0].rows, n)
 
     def _take_admissible(self, limit: int) -> list[RequestHandle]:
         """Pop as many waiting requests as there are free slots, at most ``limit`` (caller
@@ -722,7 +711,8 @@ class Scheduler:
                 self._finish(h, error=err)
             return
         prefill_s = time.perf_counter() - t_admit
-        free = self._free_slots(sum(not done[i] for i in range(len(group))))
+        busy = [r is not None for r in self._running]
+        free = pick_slots(busy, self.groups[0].rows, sum(not done[i] for i in range(len(group))))
         slots = [-1 if done[i] else free.pop(0) for i in range(len(group))] + [-1] * pad
         if any(s >= 0 for s in slots):
             try:
