@@ -4,8 +4,9 @@ A server is started in-process on an ephemeral 127.0.0.1 port (uvicorn on a thre
 engine on its own thread) over a randomly initialised model of the configured shape with
 the byte tokenizer (throughput does not depend on the weights; ``ignore_eos`` fixes every
 output length). Clients are aiohttp sessions streaming ``/v1/completions`` (SSE).
-Set ``SERVE_BENCH_URL`` (and ``serve.api_key`` if the server needs one) to measure a
-running server instead; the slot comparison then is skipped.
+To measure a running server instead, give its URL (``jaxlab bench serve --url URL``,
+``bench.serve_url``, or the ``SERVE_BENCH_URL`` environment variable) and
+``serve.api_key`` if it needs one; the slot comparison then is skipped.
 
 Cases:
 
@@ -142,7 +143,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
 
     cfg = ctx.config
     prompt_len, new = _shape(ctx)
-    external = os.environ.get(URL_ENV)
+    external = cfg.bench.serve_url or os.environ.get(URL_ENV)
     api_key = cfg.serve.api_key.get_secret_value() if cfg.serve.api_key is not None else None
     model = cfg.serve.model_name if external else None
     base = {"prompt_len": prompt_len, "new_tokens": new}
@@ -189,7 +190,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                 extra = {"rate_per_s": rate, **_groups(groups, SWEEP_SLOTS)}
                 yield from _records(ctx, load, case, extra, in_process=not external)
         if external:
-            ctx.status(f"{URL_ENV} set: skipping the 16-slot vs 1-slot comparison")
+            ctx.status(f"measuring {external}: skipping the 16-slot vs 1-slot comparison")
             return
 
         # ---- the comparison: the same requests against 16 slots and 1 slot, interleaved

@@ -82,6 +82,14 @@ OutOpt = Annotated[
     ),
 ]
 CpuOpt = Annotated[bool, typer.Option("--cpu", help="Force the CPU platform.")]
+UrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        help="Load this running server in the serve suite instead of starting servers "
+        "(bench.serve_url).",
+    ),
+]
 
 
 # --------------------------------------------------------------------------- live view
@@ -217,9 +225,12 @@ def run_cmd(
     set_: SetOpt = None,
     out: OutOpt = None,
     cpu: CpuOpt = False,
+    url: UrlOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Run suites; write records.jsonl, summary.csv, summary.md and plots/ under the run dir."""
+    if url is not None:  # the last --set wins, so the flag overrides the config's value
+        set_ = [*(set_ or []), f"bench.serve_url={url}"]
     _run(list(suites or []), quick=quick, config=config, set_=set_, out=out, cpu=cpu, json_=json_)
 
 

@@ -285,6 +285,14 @@ class BenchConfig(Section):
         default=None,
         description="A Python with torch + transformers, for the 'peer' suite (HF GPT-2).",
     )
+    serve_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        description=(
+            "A running server for the 'serve' suite to load instead of the ones it starts"
+            " (its sweep and Poisson cases; no slot comparison). `jaxlab bench serve --url`."
+        ),
+    )
 
 
 class JaxlabConfig(Section):

@@ -105,3 +105,45 @@ def test_slot_speedup_is_the_ratio_of_the_rounds_it_summarises(serve_run):
         # The servers say how many slot groups they ran: the 1-slot one always one.
         assert d["decode_groups_1slot"] == rounds[1].derived["decode_groups"] == 1
         assert d["decode_groups"] == rounds[16].derived["decode_groups"] >= 1
+
+
+@pytest.mark.slow
+def test_url_measures_a_running_server_and_skips_the_slot_comparison(tmp_path):
+    """``jaxlab bench serve --url``: the load goes to the server given (its request counter
+    says so), every sweep and Poisson case is measured against it, and nothing else is
+    started, so there is no 16-slot vs 1-slot comparison."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxlab.bench.serve_suite import _engine, _serve_cfg
+    from jaxlab.config import load_config
+    from jaxlab.serve import ModelService, ServerThread
+
+    sets = ["inference.max_len=64", "inference.max_new_tokens=16"]
+    cfg = load_config("bench-tiny", sets, environ={})
+    service = ModelService.from_engine(_engine(cfg), _serve_cfg(cfg, 4, 16))
+    with ServerThread(service) as srv:
+        srv.wait_ready()
+        args = ["bench", "serve", "--quick", "--config", "bench-tiny"]
+        for s in sets:
+            args += ["--set", s]
+        r = run_cli(*args, "--url", srv.url, "--out", str(tmp_path), "--json", timeout=600)
+        assert r.returncode == 0, r.stderr
+        served = sum(
+            s.value
+            for fam in text_string_to_metric_families(service.metrics.render().decode())
+            for s in fam.samples
+            if s.name == "jaxlab_requests_total" and s.labels == {"status": "200"}
+        )
+    records = load_records(Path(r.json()["out_dir"]))
+    e2e = [x for x in records if x.metric == "e2e_s"]
+    assert {x.case["mode"] for x in e2e} == {"closed", "poisson"}
+    assert all(x.case["slots"] == "external" and x.status == "ok" for x in e2e)
+    assert all(x.derived["errors"] == 0 for x in e2e)
+    assert not [x for x in records if x.metric == "slots_speedup"]
+    assert served == sum(x.derived["requests"] for x in e2e)
+
+
+def test_url_must_be_http(tmp_path):
+    r = run_cli("bench", "serve", "--url", "localhost:8000", "--out", str(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "bench.serve_url" in r.stderr and "localhost:8000" in r.stderr
