@@ -228,7 +228,7 @@ def test_32_concurrent_requests_equal_offline_generate(server, engine, run_dir, 
         assert got["seed"] == req["seed"]
         assert got["model"] == "jaxlab" and got["checkpoint_step"] == RUN_STEPS
         assert got["platform"] == "cpu" and got["precision"] == "float32"
-        for key in ("prefill_s", "decode_s", "total_s", "ttft_s", "queue_s"):
+        for key in ("prefill_s", "decode_s", "total_s", "ttft_s", "queue_s", "tokens_per_s"):
             assert got[key] >= 0
         assert got["ttft_s"] <= got["total_s"]
     # They shared the batch: 32 requests of up to 64 tokens in far fewer chunks than alone.
