@@ -109,6 +109,34 @@ class Checkpointer:
         )
         return out["state"], dict(out["meta"])
 
+    def restore_subset(self, step: int | str | None, abstract_subset: Any) -> Any:
+        """Restore only the leaves ``abstract_subset`` names (a sub-pytree of the saved state,
+        e.g. ``{"params": ...}`` of ``jax.ShapeDtypeStruct`` with shardings): nothing else
+        (optimizer moments, say) is read from disk."""
+        import jax
+
+        step = self.resolve_step(step)
+        reader = ocp.CheckpointManager(
+            self.directory,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        )
+        try:
+            restore_args = jax.tree.map(
+                lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_subset
+            )
+            out = reader.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        abstract_subset, restore_args=restore_args, partial_restore=True
+                    )
+                ),
+            )
+        finally:
+            reader.close()
+        return out["state"]
+
     def restore_meta(self, step: int | str | None) -> dict[str, Any]:
         step = self.resolve_step(step)
         out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))

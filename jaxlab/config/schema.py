@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -101,10 +101,19 @@ class ModelConfig(Section):
     tie_embeddings: bool = False
     dropout_rate: float = Field(default=0.0, ge=0.0, lt=1.0)
     norm_eps: float = Field(default=1e-6, gt=0)
-    attention_impl: Literal["einsum", "xla"] = Field(
-        default="einsum",
-        description="'einsum': explicit softmax(QK^T)V; 'xla': jax.nn.dot_product_attention.",
+    attention_impl: Literal["auto", "reference", "xla", "xla_cpu"] = Field(
+        default="auto",
+        description=(
+            "Attention kernel (jaxlab.kernels): 'reference' the textbook einsum, 'xla'"
+            " jax.nn.dot_product_attention, 'xla_cpu' layouts tuned for XLA:CPU; 'auto' ="
+            " xla_cpu on the CPU backend, xla elsewhere. 'einsum' (older configs) = xla_cpu."
+        ),
     )
+
+    @field_validator("attention_impl", mode="before")
+    @classmethod
+    def _old_kernel_names(cls, v: object) -> object:
+        return {"einsum": "xla_cpu"}.get(v, v) if isinstance(v, str) else v
 
     @property
     def head_dim(self) -> int:

@@ -1,25 +1,28 @@
-"""jaxlab.infer: the inference engine (KV-cached prefill/decode, sampling, streaming).
+"""jaxlab.infer: KV-cached inference behind a device API, and offline generation on top of it.
 
-See ``docs/inference.md`` for the design: cache layout, prefill buckets, ragged masking, the
-in-jit decode loop, chunked streaming, sampling keys and compile accounting.
+=================  ===================================================================
+``engine``         :class:`Engine`: ``init_decode_state`` / ``prefill`` / ``insert`` /
+                   ``generate``, compiled once per shape and counted
+``steps``          the pure functions it jits: prefill, the decode step and loop, insert
+``state``          :class:`DecodeState`: the cache and per-row bookkeeping
+``sampling``       per-request sampling as per-row arrays; ``sample``
+``request``        :class:`Request`: the one request type, checked once
+``offline``        :func:`generate` / :func:`stream` over the engine's verbs
+``naive``          :class:`NaiveEngine`: the cache-free baseline behind the same verbs
+``load``           :func:`load_run`: params, config and tokenizer of a checkpoint
+``measure``        :func:`measure_generate`, the benchmark suites' timing
+=================  ===================================================================
 
-This package imports jax; the CLI imports it only inside command bodies.
+See ``docs/inference.md``. This package imports jax; the CLI imports it only inside
+command bodies.
 """
 
-from jaxlab.infer.core import NO_TOKEN, Weights, naive_step, weights_for
-from jaxlab.infer.engine import (
-    BadRequest,
-    Engine,
-    Generation,
-    Request,
-    RequestTooLong,
-    Result,
-    Stream,
-    Utf8Stream,
-    default_buckets,
-)
-from jaxlab.infer.fused import decode_step
+from jaxlab.infer.engine import Engine, Prefill, default_buckets
+from jaxlab.infer.load import LoadedRun, load_run
 from jaxlab.infer.measure import measure_generate
+from jaxlab.infer.naive import NaiveEngine, NaiveState, naive_step
+from jaxlab.infer.offline import Generation, Result, Stream, generate, stream
+from jaxlab.infer.request import BadRequest, Limits, Request, RequestError, RequestTooLong
 from jaxlab.infer.sampling import (
     MAX_STOP_TOKENS,
     SamplingArrays,
@@ -28,7 +31,8 @@ from jaxlab.infer.sampling import (
     sampling_arrays,
     top_k_top_p_mask,
 )
-from jaxlab.infer.state import DecodeState, NaiveState, Prefix
+from jaxlab.infer.state import DecodeState
+from jaxlab.infer.steps import NO_TOKEN, Weights, decode_step
 
 __all__ = [
     "MAX_STOP_TOKENS",
@@ -37,22 +41,27 @@ __all__ = [
     "DecodeState",
     "Engine",
     "Generation",
+    "Limits",
+    "LoadedRun",
+    "NaiveEngine",
     "NaiveState",
-    "Prefix",
+    "Prefill",
     "Request",
+    "RequestError",
     "RequestTooLong",
     "Result",
     "SamplingArrays",
     "SamplingParams",
     "Stream",
-    "Utf8Stream",
     "Weights",
     "decode_step",
     "default_buckets",
+    "generate",
+    "load_run",
     "measure_generate",
     "naive_step",
     "sample",
     "sampling_arrays",
+    "stream",
     "top_k_top_p_mask",
-    "weights_for",
 ]

@@ -1,9 +1,9 @@
 """Generation throughput, measured honestly: warm-up first, compiles excluded, median of runs.
 
 ``measure_generate`` is what benchmark suites call. Each timed sample is one whole
-``Engine.generate`` call (host batching, prefill, the decode loop, the device->host copy of
-every token), timed on the wall clock; generate returns only after the tokens are on the
-host, so nothing is left in flight. Warm-up calls compile every executable first, and the
+offline :func:`~jaxlab.infer.offline.generate` call (host batching, prefill, the decode
+loop, the device->host copy of every token), timed on the wall clock; it returns only
+after the tokens are on the host, so nothing is left in flight. Warm-up calls compile every executable first, and the
 result says how many compiles happened during the timed calls (it must be 0).
 """
 
@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxlab.infer.engine import Engine, Request
+from jaxlab.infer import offline
+from jaxlab.infer.engine import Engine
+from jaxlab.infer.request import Request
 from jaxlab.infer.sampling import SamplingParams
 
 
@@ -48,12 +50,12 @@ def measure_generate(
     vocab = engine.cfg.model.vocab_size
     prompts = rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    requests = [Request(p, sp) for p in prompts]
+    requests = [Request.create(p, sp, engine.limits()) for p in prompts]
 
     for _ in range(max(warmup, 1)):
         if before is not None:
             before()
-        engine.generate(requests, kv_cache=kv_cache)
+        offline.generate(engine, requests, kv_cache=kv_cache)
     compiles_before = engine.compiles
     wall: list[float] = []
     prefill: list[float] = []
@@ -62,9 +64,9 @@ def measure_generate(
         if before is not None:
             before()
         for _ in range(warm_each):
-            engine.generate(requests, kv_cache=kv_cache)
+            offline.generate(engine, requests, kv_cache=kv_cache)
         t0 = time.perf_counter()
-        gen = engine.generate(requests, kv_cache=kv_cache)
+        gen = offline.generate(engine, requests, kv_cache=kv_cache)
         wall.append(time.perf_counter() - t0)
         prefill.append(gen.prefill_s)
         decode.append(gen.decode_s)

@@ -14,7 +14,7 @@ top-k-renormalised distribution, as Hugging Face does) -> an inverse-CDF draw: w
 ``u = uniform(key)`` (one f32 in ``[0, 1)``), the token is the first index, in vocabulary
 order, whose cumulative probability exceeds ``u`` (:func:`inverse_cdf`). That is an exact
 draw from the same categorical distribution as Gumbel-max, but it needs one random number
-per row instead of one per vocabulary entry: 0.34 vs 1.08 ms for ``[16, 8192]`` here.
+per row instead of one per vocabulary entry (several times cheaper, docs/performance.md).
 Rows with ``temperature == 0`` take ``argmax`` of the raw logits. When every row is greedy
 a ``lax.cond`` skips the filters and the random draws entirely; when no row filters, a
 second one skips the top-k/top-p mask (a sort-free radix select, see
@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 
 from jaxlab.config.schema import InferenceConfig
-from jaxlab.model.reduce import first_index_of, reduce_last
+from jaxlab.kernels.reduce import argmax_last, reduce_last
 
 Array = jax.Array
 
@@ -70,22 +70,35 @@ class SamplingParams:
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)  # type: ignore[arg-type]
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad field."""
+    def with_eos(self, eos_id: int | None) -> SamplingParams:
+        """These parameters with ``eos_id`` among the stop tokens (unless ``ignore_eos``):
+        the one place a request's full stop set is made."""
+        if eos_id is None or self.ignore_eos or eos_id in self.stop_token_ids:
+            return self
+        return dataclasses.replace(self, stop_token_ids=(*self.stop_token_ids, eos_id))
+
+    def problem(self) -> tuple[str, str] | None:
+        """``(field, message)`` for the first invalid field, or None when all are valid."""
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+            return "max_new_tokens", f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+            return "temperature", f"temperature must be >= 0 (got {self.temperature})"
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, 0 = off (got {self.top_k})")
+            return "top_k", f"top_k must be >= 0, 0 = off (got {self.top_k})"
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], 1 = off (got {self.top_p})")
+            return "top_p", f"top_p must be in (0, 1], 1 = off (got {self.top_p})"
         if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, {MAX_SEED}] (got {self.seed})")
+            return "seed", f"seed must be in [0, {MAX_SEED}] (got {self.seed})"
         if len(self.stop_token_ids) > MAX_STOP_TOKENS - 1:
-            raise ValueError(
-                f"at most {MAX_STOP_TOKENS - 1} stop token ids (got {len(self.stop_token_ids)})"
-            )
+            n = len(self.stop_token_ids)
+            return "stop_token_ids", f"at most {MAX_STOP_TOKENS - 1} stop token ids (got {n})"
+        return None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        bad = self.problem()
+        if bad is not None:
+            raise ValueError(bad[1])
 
 
 @struct.dataclass
@@ -104,15 +117,18 @@ class SamplingArrays:
         return self.temperature.shape[0]
 
 
-def sampling_arrays(params: Sequence[SamplingParams], eos_id: int | None) -> SamplingArrays:
-    """Host-side (numpy) construction of the per-row arrays for ``params``."""
+def sampling_arrays(params: Sequence[SamplingParams]) -> SamplingArrays:
+    """Host-side (numpy) construction of the per-row arrays for ``params``.
+
+    ``stop_token_ids`` are taken as they are: a request's EOS is already among them
+    (:meth:`SamplingParams.with_eos`).
+    """
     b = len(params)
     stop = np.full((b, MAX_STOP_TOKENS), -1, np.int32)
     for i, p in enumerate(params):
-        ids = list(p.stop_token_ids)
-        if eos_id is not None and not p.ignore_eos:
-            ids.append(eos_id)
-        stop[i, : len(ids)] = ids
+        if len(p.stop_token_ids) > MAX_STOP_TOKENS:
+            raise ValueError(f"at most {MAX_STOP_TOKENS} stop token ids per row")
+        stop[i, : len(p.stop_token_ids)] = p.stop_token_ids
     return SamplingArrays(
         temperature=jax.device_put(np.array([p.temperature for p in params], np.float32)),
         top_k=jax.device_put(np.array([p.top_k for p in params], np.int32)),
@@ -126,7 +142,7 @@ def sampling_arrays(params: Sequence[SamplingParams], eos_id: int | None) -> Sam
 def empty_sampling_arrays(batch: int) -> SamplingArrays:
     """Greedy, no stops, budget 0: the parameters of an empty decode slot."""
     return dataclasses.replace(
-        sampling_arrays([SamplingParams(max_new_tokens=1)] * batch, None),
+        sampling_arrays([SamplingParams(max_new_tokens=1)] * batch),
         max_new=jax.device_put(np.zeros((batch,), np.int32)),
     )
 
@@ -199,14 +215,9 @@ def row_keys(seed: Array, t: Array) -> Array:
 
 
 def argmax(logits: Array) -> Array:
-    """``jnp.argmax(logits, -1)`` (first index of the maximum) as two plain reductions.
-
-    XLA:CPU lowers ``argmax`` to a variadic (value, index) reduce that is ~5x slower here
-    than a max followed by a min over the matching indices (measured: 340 vs 72 us for
-    ``[8, 8192]``), and the greedy path runs it every decode step. Both reductions run in
-    two stages (:func:`jaxlab.model.reduce.reduce_last`; both are exact).
-    """
-    return first_index_of(logits, reduce_last(logits, "max"))
+    """``jnp.argmax(logits, -1)``: the first index of the maximum, as two reductions
+    (:func:`jaxlab.kernels.reduce.argmax_last`; XLA:CPU's variadic argmax reduce is slow)."""
+    return argmax_last(logits)
 
 
 #: Vocabulary block of the two-level inverse-CDF search (``V / BLOCK`` blocks, then one).

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxlab.model.reduce import first_index_of, reduce_last
+from jaxlab.kernels.reduce import first_index_of, reduce_last
 
 Array = jax.Array
 

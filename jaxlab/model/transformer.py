@@ -1,4 +1,4 @@
-"""The decoder-only Transformer LM and its functional entry points.
+"""The decoder-only Transformer LM, in both of its modes: over a sequence, and one token per row.
 
 Architecture (pre-norm, no biases)::
 
@@ -10,6 +10,19 @@ Architecture (pre-norm, no biases)::
 
 ``head`` is ``h @ embed.table^T`` when ``tie_embeddings`` else its own ``[d_model, vocab]``
 kernel.
+
+Entry points, all on :class:`Transformer`:
+
+* :meth:`~Transformer.features` / ``__call__``: the sequence forward (training, eval):
+  causal self-attention, packed documents kept apart by ``segment_ids``.
+* :meth:`~Transformer.prefill`: the same forward over right-padded prompts, which also
+  returns every layer's K/V as a decode cache of ``max_len`` slots.
+* :meth:`~Transformer.extend` / :meth:`~Transformer.decode`: ``T`` (or one) new tokens per
+  row against a cache: their K/V are written at slot = position, then they attend to the
+  cache slots at or before their position.
+
+The attention math and the cache layout belong to the kernel (``model.attention_impl``,
+:mod:`jaxlab.kernels`); nothing here depends on which one runs.
 """
 
 from __future__ import annotations
@@ -22,15 +35,9 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
-from jaxlab.model.attention import (
-    Attention,
-    AttentionImpl,
-    cache_mask,
-    causal_mask,
-    rope_tables,
-    segment_mask,
-)
-from jaxlab.model.cache import KVCache
+from jaxlab.kernels import NO_SLOT, LayerCache
+from jaxlab.kernels.rows import Rows
+from jaxlab.model.attention import Attention, Rope, rope_tables
 from jaxlab.model.layers import (
     INIT_STD,
     MLP,
@@ -42,7 +49,8 @@ from jaxlab.model.layers import (
 )
 
 Array = jax.Array
-LayerCache = tuple[Array, Array]
+#: A decode cache: one kernel-layout cache per layer.
+Cache = tuple[LayerCache, ...]
 
 
 class Block(nnx.Module):
@@ -52,7 +60,6 @@ class Block(nnx.Module):
         self,
         cfg: ModelConfig,
         *,
-        impl: AttentionImpl,
         param_dtype: DTypeLike,
         compute_dtype: DTypeLike,
         rngs: nnx.Rngs,
@@ -64,7 +71,7 @@ class Block(nnx.Module):
             cfg.n_heads,
             cfg.n_kv_heads,
             n_layers=cfg.n_layers,
-            impl=impl,
+            kernel=cfg.attention_impl,
             param_dtype=param_dtype,
             compute_dtype=compute_dtype,
             rngs=rngs,
@@ -81,23 +88,40 @@ class Block(nnx.Module):
         )
 
     def __call__(
-        self,
-        x: Array,
-        mask: Array,
-        rope: tuple[Array, Array] | None,
-        cache: LayerCache | None,
-        cache_index: Array | None,
-        key: Array | None,
-        causal: bool = False,
-    ) -> tuple[Array, LayerCache | None]:
-        """``causal``: ``mask`` is causal (see :func:`jaxlab.model.attention.attend`)."""
+        self, x: Array, rope: Rope | None, segment_ids: Array | None, key: Array | None
+    ) -> tuple[Array, tuple[Array, Array]]:
+        """The sequence form: ``(x, this layer's (k, v))``."""
         attn_key = mlp_key = None
         if key is not None:
             attn_key, mlp_key = jax.random.split(key)
-        a, cache = self.attn(self.attn_norm(x), mask, rope, cache, cache_index, causal=causal)
+        a, kv = self.attn(self.attn_norm(x), rope, segment_ids)
         x = x + dropout(a, self.dropout_rate, attn_key)
-        m = self.mlp(self.mlp_norm(x))
-        x = x + dropout(m, self.dropout_rate, mlp_key)
+        x = x + dropout(self.mlp(self.mlp_norm(x)), self.dropout_rate, mlp_key)
+        return x, kv
+
+    def cached(
+        self, x: Array, rope: Rope | None, cache: LayerCache, positions: Array, rows: Rows
+    ) -> tuple[Array, LayerCache]:
+        """New tokens against a cache (no dropout): ``(x, updated cache)``.
+
+        Only ``rows``' leading rows are computed, in two steps around the cache write, so the
+        write stays outside the row switch and updates the donated cache in place; rows not
+        computed write nothing and come out as zeros.
+        """
+        attn = self.attn
+
+        def project(r: int, x: Array, rope: Rope | None) -> tuple[Array, Array, Array]:
+            rope_r = None if rope is None else (rope[0][:r], rope[1][:r])
+            return attn.project(self.attn_norm(x[:r]), rope_r)
+
+        def attend_mlp(r: int, x: Array, q: Array, c: LayerCache, pos: Array) -> tuple[Array]:
+            y = x[:r] + attn.attend_cache(q[:r], attn.kernel.take_rows(c, r), pos[:r])
+            return (y + self.mlp(self.mlp_norm(y)),)
+
+        q, k, v = rows.run(project, x, rope)
+        start = jnp.where(rows.computed(), positions[:, 0], NO_SLOT)
+        cache = attn.kernel.write(cache, k, v, start)
+        (x,) = rows.run(attend_mlp, x, q, cache, positions)
         return x, cache
 
 
@@ -105,25 +129,22 @@ def _run_block_remat(
     graphdef: nnx.GraphDef[Block],
     state: nnx.State,
     x: Array,
-    mask: Array,
-    rope: tuple[Array, Array] | None,
-    cache: LayerCache | None,
-    cache_index: Array | None,
+    rope: Rope | None,
+    segment_ids: Array | None,
     key: Array | None,
-    causal: bool,
-) -> tuple[Array, LayerCache | None]:
+) -> tuple[Array, tuple[Array, Array]]:
     """A block as a pure function of its parameters, so ``jax.checkpoint`` can wrap it."""
-    return nnx.merge(graphdef, state)(x, mask, rope, cache, cache_index, key, causal)
+    return nnx.merge(graphdef, state)(x, rope, segment_ids, key)
 
 
-_run_block_remat_ckpt = jax.checkpoint(_run_block_remat, static_argnums=(0, 8))
+_run_block_remat_ckpt = jax.checkpoint(_run_block_remat, static_argnums=(0,))
 
 
 class Transformer(nnx.Module):
     """Decoder-only Transformer language model (see module docstring and ``docs/model.md``).
 
     Args:
-      cfg: model shape and variant.
+      cfg: model shape, variant and attention kernel.
       precision: ``param_dtype`` (storage) and ``compute_dtype`` (matmul inputs).
       rngs: parameter initialisation keys (``rngs.params()`` is drawn per tensor).
       remat: recompute each block's activations in the backward pass
@@ -162,13 +183,7 @@ class Transformer(nnx.Module):
         )
         self.blocks = nnx.List(
             [
-                Block(
-                    cfg,
-                    impl=cfg.attention_impl,
-                    param_dtype=param_dtype,
-                    compute_dtype=compute_dtype,
-                    rngs=rngs,
-                )
+                Block(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
                 for _ in range(cfg.n_layers)
             ]
         )
@@ -181,58 +196,14 @@ class Transformer(nnx.Module):
             )
         )
 
-    def __call__(
-        self,
-        tokens: Array,
-        positions: Array,
-        *,
-        segment_ids: Array | None = None,
-        kv_cache: KVCache | None = None,
-        cache_index: Array | None = None,
-        dropout_key: Array | None = None,
-    ) -> tuple[Array, KVCache | None]:
-        """Logits for every input token, and the updated cache when one is given.
+    # ------------------------------------------------------------------ pieces
 
-        Args:
-          tokens: ``int32[B, T]``.
-          positions: ``int32[B, T]``, given by the caller (restarting per packed document;
-            for cached calls position ``p`` must be the token's cache slot).
-          segment_ids: ``int32[B, T]`` document ids for packed rows (no cache only): a token
-            attends to earlier-or-same tokens of its own segment.
-          kv_cache: per-layer K/V buffers ``[B, S, K, D]``. When given, the ``T`` new
-            tokens' K/V are written at slots ``cache_index[b] .. cache_index[b] + T - 1``
-            and queries attend to cache slots ``s <= positions[b, t]``.
-          cache_index: ``int32[B]`` write start per row; required with ``kv_cache``.
-          dropout_key: PRNG key enabling dropout (rate ``cfg.dropout_rate``); None = off.
-
-        Returns:
-          ``(logits f32[B, T, vocab], new KVCache or None)``.
-        """
-        h, new_cache = self.features(
-            tokens,
-            positions,
-            segment_ids=segment_ids,
-            kv_cache=kv_cache,
-            cache_index=cache_index,
-            dropout_key=dropout_key,
-        )
-        return self.logits(h), new_cache
-
-    def logits(self, h: Array) -> Array:
-        """The LM head on final-normed features ``[..., d_model]`` -> f32 ``[..., vocab]``."""
-        if self.lm_head is None:
-            return self.embed.attend(h, self.compute_dtype)
-        return dense(h, self.lm_head[...], self.compute_dtype, jnp.float32)
-
-    def embed_inputs(
-        self, tokens: Array, positions: Array
-    ) -> tuple[Array, tuple[Array, Array] | None]:
+    def embed_inputs(self, tokens: Array, positions: Array) -> tuple[Array, Rope | None]:
         """The first block's input ``x`` (token + learned position embeddings) and the RoPE
         ``(sin, cos)`` tables for ``positions`` (None without RoPE), shared by every layer."""
         x = self.embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        # sin/cos depend only on positions: compute once, share across layers.
         rope = (
             rope_tables(positions, self.head_dim, self.rope_theta)
             if self.positions_kind == "rope"
@@ -242,11 +213,55 @@ class Transformer(nnx.Module):
 
     def head_kernel(self) -> tuple[Array, bool]:
         """``(kernel, vocab_major)`` of the LM head: the ``[V, d]`` embedding table when
-        tied (``vocab_major=True``), else the ``[d, V]`` ``lm_head``. Logits are
-        ``features @ kernel^T`` resp. ``features @ kernel`` (see :meth:`features`)."""
+        tied (``vocab_major=True``), else the ``[d, V]`` ``lm_head``."""
         if self.lm_head is None:
             return self.embed.table[...], True
         return self.lm_head[...], False
+
+    def logits(self, h: Array, head: Array | None = None) -> Array:
+        """The LM head on final-normed features ``[..., d_model]`` -> f32 ``[..., vocab]``.
+
+        ``head``: the head as a ``[d_model, vocab]`` kernel, prepared once by the caller
+        (a decoder may keep a transposed copy of a tied table, ``jaxlab.infer``); None
+        reads the model's own.
+        """
+        if head is not None:
+            return dense(h, head, self.compute_dtype, jnp.float32)
+        if self.lm_head is None:
+            return self.embed.attend(h, self.compute_dtype)
+        return dense(h, self.lm_head[...], self.compute_dtype, jnp.float32)
+
+    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike | None = None) -> Cache:
+        """An all-zero decode cache (in the kernel's layout), stored in ``dtype`` (default:
+        the compute dtype). ``max_len`` must not exceed ``max_seq_len`` for learned positions."""
+        dtype = self.compute_dtype if dtype is None else dtype
+        return tuple(b.attn.init_cache(batch, max_len, dtype) for b in self.blocks)
+
+    # ------------------------------------------------------------------ sequence mode
+
+    def _sequence(
+        self,
+        tokens: Array,
+        positions: Array,
+        segment_ids: Array | None,
+        dropout_key: Array | None,
+    ) -> tuple[Array, list[tuple[Array, Array]]]:
+        if tokens.ndim != 2 or positions.shape != tokens.shape:
+            raise ValueError(
+                f"tokens and positions must both be [B, T] (got {tokens.shape} and "
+                f"{positions.shape})"
+            )
+        x, rope = self.embed_inputs(tokens, positions)
+        kvs = []
+        for i, block in enumerate(self.blocks):
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+            if self.remat:
+                graphdef, state = nnx.split(block)
+                x, kv = _run_block_remat_ckpt(graphdef, state, x, rope, segment_ids, key)
+            else:
+                x, kv = block(x, rope, segment_ids, key)
+            kvs.append(kv)
+        return self.final_norm(x), kvs
 
     def features(
         self,
@@ -254,63 +269,83 @@ class Transformer(nnx.Module):
         positions: Array,
         *,
         segment_ids: Array | None = None,
-        kv_cache: KVCache | None = None,
-        cache_index: Array | None = None,
         dropout_key: Array | None = None,
-    ) -> tuple[Array, KVCache | None]:
-        """The LM head's input: final-normed hidden states ``f32[B, T, d_model]``.
+    ) -> Array:
+        """Final-normed hidden states ``f32[B, T, d_model]``: the LM head's input.
 
-        Same arguments as :meth:`__call__`, which is ``features`` followed by the head.
-        The training loss uses this with :func:`jaxlab.model.loss.head_cross_entropy`,
-        so the ``[B, T, vocab]`` logits are never materialised.
+        Args:
+          tokens: ``int32[B, T]``.
+          positions: ``int32[B, T]``, given by the caller (restarting per packed document).
+          segment_ids: ``int32[B, T]`` document ids for packed rows: a token attends to
+            earlier-or-same tokens of its own segment.
+          dropout_key: PRNG key enabling dropout (rate ``cfg.dropout_rate``); None = off.
+
+        The training loss uses this with :func:`jaxlab.model.loss.head_cross_entropy`, so
+        the ``[B, T, vocab]`` logits are never materialised.
         """
-        if tokens.ndim != 2 or positions.shape != tokens.shape:
-            raise ValueError(
-                f"tokens and positions must both be [B, T] (got {tokens.shape} and "
-                f"{positions.shape})"
-            )
-        t = tokens.shape[1]
+        return self._sequence(tokens, positions, segment_ids, dropout_key)[0]
+
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array,
+        *,
+        segment_ids: Array | None = None,
+        dropout_key: Array | None = None,
+    ) -> Array:
+        """Logits ``f32[B, T, vocab]`` for every input token (:meth:`features` + head)."""
+        h = self.features(tokens, positions, segment_ids=segment_ids, dropout_key=dropout_key)
+        return self.logits(h)
+
+    def prefill(self, tokens: Array, positions: Array, max_len: int) -> tuple[Array, Cache]:
+        """The sequence forward over right-padded prompts, returning its K/V as a cache.
+
+        ``tokens, positions: int32[B, T]`` with ``positions[b, t] == t``. Returns the
+        final-normed hidden states ``f32[B, T, d_model]`` (a caller applies :meth:`logits`
+        at each row's last real position) and a cache of ``max_len >= T`` slots holding the
+        prompts' K/V in slots ``0 .. T-1``. Padding K/V lies in each row's future, so it is
+        never visible, and decoding overwrites it.
+        """
+        h, kvs = self._sequence(tokens, positions, None, None)
+        cache = tuple(
+            block.attn.kernel.fill(k, v, max_len)
+            for block, (k, v) in zip(self.blocks, kvs, strict=True)
+        )
+        return h, cache
+
+    # ------------------------------------------------------------------ cached mode
+
+    def extend(
+        self, tokens: Array, positions: Array, cache: Cache, *, rows: Rows | None = None
+    ) -> tuple[Array, Cache]:
+        """``T`` new tokens per row against ``cache``: ``(f32[B, T, d_model], new cache)``.
+
+        ``positions [B, T]`` are consecutive per row; token ``(b, t)`` is written to slot
+        ``positions[b, t]`` and attends to slots ``<= positions[b, t]`` (its own included).
+        ``rows`` (:class:`~jaxlab.kernels.rows.Rows`) limits the work to leading rows; the
+        others write nothing and come out as zeros. Jit with the cache donated so the
+        writes happen in place.
+        """
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"cache has {len(cache)} layers, model has {len(self.blocks)}")
+        rows = rows or Rows.all(tokens.shape[0])
         x, rope = self.embed_inputs(tokens, positions)
+        new = []
+        for block, layer in zip(self.blocks, cache, strict=True):
+            x, layer = block.cached(x, rope, layer, positions, rows)
+            new.append(layer)
+        return self.final_norm(x), tuple(new)
 
-        if kv_cache is None:
-            if cache_index is not None:
-                raise ValueError("cache_index given without a kv_cache")
-            mask = causal_mask(t)
-            if segment_ids is not None:
-                mask = mask & segment_mask(segment_ids)
-        else:
-            if segment_ids is not None:
-                raise ValueError("segment_ids are not supported together with a kv_cache")
-            if cache_index is None:
-                raise ValueError("cache_index (int32[B]) is required with a kv_cache")
-            if kv_cache.n_layers != len(self.blocks):
-                raise ValueError(
-                    f"kv_cache has {kv_cache.n_layers} layers, model has {len(self.blocks)}"
-                )
-            mask = cache_mask(positions, kv_cache.max_len)
+    def decode(
+        self, tokens: Array, pos: Array, cache: Cache, *, rows: Rows | None = None
+    ) -> tuple[Array, Cache]:
+        """One new token per row (``tokens, pos: int32[B]``): :meth:`extend` with ``T = 1``.
 
-        # Without a cache the mask is causal (& same-segment): every token sees itself, none
-        # sees its future, so attention may skip key blocks in a query block's future.
-        causal = kv_cache is None
-        new_k: list[Array] = []
-        new_v: list[Array] = []
-        for i, block in enumerate(self.blocks):
-            layer_cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-            if self.remat:
-                graphdef, state = nnx.split(block)
-                x, layer_cache = _run_block_remat_ckpt(
-                    graphdef, state, x, mask, rope, layer_cache, cache_index, key, causal
-                )
-            else:
-                x, layer_cache = block(x, mask, rope, layer_cache, cache_index, key, causal)
-            if layer_cache is not None:
-                new_k.append(layer_cache[0])
-                new_v.append(layer_cache[1])
-
-        h = self.final_norm(x)
-        new_cache = None if kv_cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        return h, new_cache
+        Returns final-normed ``f32[B, d_model]``; :meth:`logits` gives the next-token
+        logits, so a caller can run the head on fewer rows (``rows``).
+        """
+        h, cache = self.extend(tokens[:, None], pos[:, None], cache, rows=rows)
+        return h[:, 0], cache
 
 
 def make_model(
@@ -336,12 +371,13 @@ def apply(
     tokens: Array,
     positions: Array,
     **kwargs: Any,
-) -> tuple[Array, KVCache | None]:
+) -> Array:
     """Pure functional forward: ``merge(graphdef, params)(tokens, positions, **kwargs)``.
 
-    ``kwargs`` are the keyword arguments of :meth:`Transformer.__call__`
-    (``segment_ids``, ``kv_cache``, ``cache_index``, ``dropout_key``). ``graphdef`` is
-    static: close over it (or mark it static) when jitting.
+    ``kwargs`` are the keyword arguments of :meth:`Transformer.__call__` (``segment_ids``,
+    ``dropout_key``). ``graphdef`` is static: close over it (or mark it static) when jitting.
     """
-    model = nnx.merge(graphdef, params)
-    return model(tokens, positions, **kwargs)
+    return nnx.merge(graphdef, params)(tokens, positions, **kwargs)
+
+
+__all__ = ["Block", "Cache", "Transformer", "apply", "make_model", "split_model"]

@@ -26,7 +26,7 @@ from jaxlab.serve.scheduler import (
 )
 from jaxlab.serve.server import ServeResult, ServerThread, run_server
 from jaxlab.serve.service import ModelService, run_dir_loader
-from jaxlab.serve.text import TextAssembler
+from jaxlab.tokenizer.detok import Detokenizer as TextAssembler
 
 __all__ = [
     "SERVE_SECTIONS",

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from jaxlab.serve.metrics import ServeMetrics
-from jaxlab.serve.text import TextAssembler
+from jaxlab.tokenizer.detok import Detokenizer as TextAssembler
 
 if TYPE_CHECKING:
     from jaxlab.infer.engine import Engine

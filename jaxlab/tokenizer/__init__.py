@@ -22,6 +22,7 @@ from jaxlab.tokenizer.bpe import (
     train_bpe,
     validate_vocab_size,
 )
+from jaxlab.tokenizer.detok import Detokenizer
 from jaxlab.tokenizer.encoding import (
     META_FILENAME,
     RANKS_FILENAME,
@@ -32,6 +33,7 @@ from jaxlab.tokenizer.encoding import (
 )
 
 __all__ = [
+    "Detokenizer",
     "ENDOFTEXT",
     "GPT2_PAT_STR",
     "META_FILENAME",

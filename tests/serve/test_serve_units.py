@@ -18,7 +18,7 @@ from jaxlab.serve.scheduler import (
     pick_slots,
     split_admission,
 )
-from jaxlab.serve.text import TextAssembler
+from jaxlab.tokenizer.detok import Detokenizer as TextAssembler
 from jaxlab.tokenizer import byte_tokenizer
 
 S = ModelState

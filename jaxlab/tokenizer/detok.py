@@ -1,6 +1,7 @@
-"""Token ids -> text deltas for one request: incremental UTF-8 and stop strings.
+"""Token ids -> text deltas for one sequence: incremental UTF-8 and stop strings.
 
-:class:`TextAssembler` is fed one token at a time by the scheduler thread. It
+:class:`Detokenizer` is fed one token at a time (the server's output processing, the
+CLI's ``--stream``). It
 
 - never splits a UTF-8 character (an incremental decoder holds incomplete bytes;
   invalid bytes become U+FFFD, exactly as ``Tokenizer.decode(errors="replace")`` does
@@ -31,7 +32,7 @@ class _Detok(Protocol):
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
 
 
-class TextAssembler:
+class Detokenizer:
     def __init__(self, tokenizer: _Detok, stop: Sequence[str] = ()) -> None:
         self._tok = tokenizer
         self._n_vocab = tokenizer.n_vocab
@@ -93,4 +94,4 @@ class TextAssembler:
         return best
 
 
-__all__ = ["TextAssembler"]
+__all__ = ["Detokenizer"]

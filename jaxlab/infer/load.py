@@ -1,0 +1,101 @@
+"""Restore a training run for inference: its parameters, config and tokenizer, nothing more.
+
+The checkpoint is self-contained: its ``meta`` holds the resolved config (TOML) and the
+tokenizer's files. Only the ``params`` subtree of the saved train state is read from disk
+(Orbax partial restore), so no optimizer is built and no optimizer moments are loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxlab.config.schema import JaxlabConfig
+from jaxlab.model import make_model, split_model
+from jaxlab.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedRun:
+    """One checkpoint of a run, ready for an :class:`~jaxlab.infer.engine.Engine`."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    cfg: JaxlabConfig
+    tokenizer: Tokenizer
+    step: int
+
+
+def load_run(
+    run_dir: str | Path, step: int | None = None, *, cfg: JaxlabConfig | None = None
+) -> LoadedRun:
+    """Restore ``step`` (None = latest) of the run in ``run_dir``.
+
+    ``cfg`` replaces the saved config (e.g. other ``inference.*`` or ``serve.*`` values);
+    its model section must equal the checkpoint's. Raises ``FileNotFoundError`` for a
+    directory without checkpoints and :class:`~jaxlab.checkpoint.CheckpointNotFound` for a
+    missing step.
+    """
+    from jaxlab.checkpoint import Checkpointer
+    from jaxlab.config import from_toml
+    from jaxlab.train.run_dir import RunDir
+
+    rd = RunDir(run_dir)
+    if not rd.checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no checkpoints/)")
+    with _quiet_orbax():
+        ck = Checkpointer(rd.checkpoint_dir, read_only=True)
+    try:
+        resolved = ck.resolve_step(step)
+        meta = ck.restore_meta(resolved)
+        saved_cfg = from_toml(meta["config"]) if "config" in meta else rd.load_config()
+        if cfg is None:
+            cfg = saved_cfg
+        elif cfg.model != saved_cfg.model:
+            raise ValueError("cfg.model differs from the checkpoint's model config")
+        tokenizer = _load_tokenizer(meta, rd.tokenizer_dir)
+        model_cfg, precision = cfg.model, cfg.train.precision
+        graphdef, abstract = split_model(nnx.eval_shape(lambda: make_model(model_cfg, precision, 0)))
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
+        )
+        with _quiet_orbax():
+            params = ck.restore_subset(resolved, {"params": abstract})["params"]
+    finally:
+        ck.close()
+    return LoadedRun(graphdef, params, cfg, tokenizer, resolved)
+
+
+@contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax warns (via absl) that a read-only manager ignores its save options: expected."""
+    absl = logging.getLogger("absl")
+    old = absl.level
+    if absl.getEffectiveLevel() > logging.DEBUG:
+        absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(old)
+
+
+def _load_tokenizer(meta: dict[str, Any], fallback_dir: Path) -> Tokenizer:
+    files = meta.get("tokenizer")
+    if isinstance(files, dict) and files:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in files.items():
+                (Path(tmp) / Path(name).name).write_text(text)
+            return Tokenizer.load(tmp)
+    return Tokenizer.load(fallback_dir)
+
+
+__all__ = ["LoadedRun", "load_run"]

@@ -1,0 +1,234 @@
+"""The pure functions the engine jits: prefill, the decode step and loop, insert.
+
+Each ``make_*`` closes over the static pieces (the model's ``graphdef``, the cache
+capacity, the loop bound ``k``) and returns a function of array pytrees only, ready for
+:class:`jaxlab.runtime.compiled.ShapeKeyedJit`. Nothing here touches the host. The model
+does the forward passes (:meth:`~jaxlab.model.Transformer.prefill` and
+:meth:`~jaxlab.model.Transformer.decode`); these functions add sampling and the per-row
+bookkeeping of :class:`~jaxlab.infer.state.DecodeState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlab.infer.sampling import SamplingArrays, hits_stop, sample
+from jaxlab.infer.state import DecodeState
+from jaxlab.kernels import AttentionKernel
+from jaxlab.kernels.rows import Rows, row_buckets
+
+Array = jax.Array
+S = TypeVar("S")
+P = TypeVar("P")
+
+#: Marks "no token this step" in the ``[k, B]`` outputs of the decode loops.
+NO_TOKEN = -1
+
+
+class Weights(NamedTuple):
+    """What prefill and decode read: the model's ``params``, and its LM head as a
+    ``[d_model, vocab]`` kernel prepared once for decoding (None: the model's own)."""
+
+    params: nnx.State
+    head: Array | None = None
+
+
+_transposed = jax.jit(jnp.transpose)
+
+
+def prepare_weights(graphdef: nnx.GraphDef, params: nnx.State, transposed_head: bool) -> Weights:
+    """``params`` for decoding; with ``transposed_head`` a tied head gets a ``[d_model,
+    vocab]`` copy, made once (:attr:`jaxlab.runtime.tuning.Tuning.transposed_head`): more
+    memory, the same bytes read per step (a lookup touches one table row per token)."""
+    kernel, vocab_major = nnx.merge(graphdef, params).head_kernel()
+    return Weights(params, _transposed(kernel) if transposed_head and vocab_major else None)
+
+
+def step_weight_bytes(graphdef: nnx.GraphDef, weights: Weights) -> int:
+    """Bytes of weights one decode step reads, whatever the batch: every block's parameters,
+    the final norm and the LM head. The token and position tables are left out (a step
+    looks up one row of each per token). At batch 1 a step can go no faster than one read
+    of these bytes: the ``peer`` benchmark's read ceiling divides by it."""
+    model = nnx.merge(graphdef, weights.params)
+    head = weights.head if weights.head is not None else model.head_kernel()[0]
+    arrays = [
+        *jax.tree.leaves(nnx.state(model.blocks)),
+        *jax.tree.leaves(nnx.state(model.final_norm)),
+        head,
+    ]
+    return sum(int(a.size) * a.dtype.itemsize for a in arrays)
+
+
+def advance_rows(
+    tok: Array, active: Array, generated: Array, done: Array, sp: SamplingArrays
+) -> tuple[Array, Array]:
+    """New ``(generated, done)`` after sampling ``tok`` on the ``active`` rows."""
+    generated = jnp.where(active, generated + 1, generated)
+    stopped = hits_stop(tok, sp) | (generated >= sp.max_new)
+    return generated, done | (active & stopped)
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def make_prefill(
+    graphdef: nnx.GraphDef, max_len: int
+) -> Callable[[Weights, Array, Array, SamplingArrays], DecodeState]:
+    """``prefill(weights, tokens i32[B, T], lengths i32[B], sampling) -> DecodeState``.
+
+    ``tokens`` are right-padded to the bucket length ``T``; row ``b`` is real up to
+    ``lengths[b]``. The model's sequence forward runs over the ``T`` tokens only (no cache
+    is read) and hands back their K/V as the first ``T`` of ``max_len`` cache slots; the
+    head runs at each row's last real position only, and samples the first token (t = 0).
+    """
+
+    def prefill(
+        weights: Weights, tokens: Array, lengths: Array, sampling: SamplingArrays
+    ) -> DecodeState:
+        b, t = tokens.shape
+        model = nnx.merge(graphdef, weights.params)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        h, cache = model.prefill(tokens, positions, max_len)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        zeros = jnp.zeros((b,), jnp.int32)
+        tok = sample(model.logits(last, weights.head), sampling, zeros)
+        generated, done = advance_rows(tok, jnp.ones((b,), jnp.bool_), zeros, zeros > 0, sampling)
+        return DecodeState(
+            cache=cache,
+            tokens=tok,
+            pos=lengths.astype(jnp.int32),
+            generated=generated,
+            done=done,
+            sampling=sampling,
+            max_len=max_len,
+        )
+
+    return prefill
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def decode_step(
+    graphdef: nnx.GraphDef, weights: Weights, st: DecodeState, *, buckets: bool
+) -> tuple[DecodeState, Array, Array]:
+    """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
+
+    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V to cache slot ``pos``) and samples
+    the next token with key index ``st.generated``. With ``buckets``
+    (:mod:`jaxlab.kernels.rows`) only the leading rows up to the last active one are
+    computed, rounded up to a bucket; rows past them get zero logits. Done rows inside that
+    range compute but do not advance (their position is clamped into the cache). Every
+    done row's ``emitted`` is :data:`NO_TOKEN`.
+    """
+    model = nnx.merge(graphdef, weights.params)
+    active = ~st.done
+    rows = Rows.up_to_last(active, row_buckets(st.slots) if buckets else (st.slots,))
+    pos = jnp.minimum(st.pos, st.max_len - 1)
+    h, cache = model.decode(st.tokens, pos, st.cache, rows=rows)
+
+    def head(r: int, h: Array, sp: SamplingArrays, generated: Array) -> tuple[Array, Array]:
+        logits = model.logits(h[:r], weights.head)
+        return logits, sample(logits, jax.tree.map(lambda a: a[:r], sp), generated[:r])
+
+    logits, tok = rows.run(head, h, st.sampling, st.generated)
+    generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
+    new = dataclasses.replace(
+        st,
+        cache=cache,
+        tokens=jnp.where(active, tok, st.tokens),
+        pos=jnp.where(active, st.pos + 1, st.pos),
+        generated=generated,
+        done=done,
+    )
+    return new, logits, jnp.where(active, tok, NO_TOKEN)
+
+
+def decode_loop(
+    step: Callable[[P, S], tuple[S, Array, Array]], params: P, state: S, k: int
+) -> tuple[S, Array, Array]:
+    """Run ``step`` up to ``k`` times inside ``lax.while_loop``; stop when every row is done.
+
+    ``state`` must have a ``done: bool[B]`` field. Returns ``(state, tokens i32[k, B],
+    done bool[B])``. ``done`` is a separate output buffer (not the state's), so it stays
+    valid after the state is donated to the next call: a caller may dispatch chunk
+    ``i + 1`` before reading chunk ``i``'s flags.
+    """
+    b = state.done.shape[0]  # type: ignore[attr-defined]
+    out = jnp.full((k, b), NO_TOKEN, jnp.int32)
+
+    def cond(carry: tuple[Array, S, Array]) -> Array:
+        i, st, _ = carry
+        return (i < k) & ~jnp.all(st.done)  # type: ignore[attr-defined]
+
+    def body(carry: tuple[Array, S, Array]) -> tuple[Array, S, Array]:
+        i, st, buf = carry
+        st, _, emitted = step(params, st)
+        return i + 1, st, jax.lax.dynamic_update_index_in_dim(buf, emitted, i, axis=0)
+
+    _, state, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out))
+    return state, out, state.done  # type: ignore[attr-defined]
+
+
+def make_generate(
+    graphdef: nnx.GraphDef, k: int, *, buckets: bool
+) -> Callable[[Weights, DecodeState], tuple[DecodeState, Array, Array]]:
+    """``generate(weights, state) -> (state, tokens i32[k, B], done bool[B])``: up to ``k``
+    decode steps in one jitted loop. Jit it with the state donated (in-place cache)."""
+    step = functools.partial(decode_step, graphdef, buckets=buckets)
+
+    def generate(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
+        return decode_loop(step, weights, state, k)
+
+    return generate
+
+
+# ---------------------------------------------------------------------------- insert
+
+
+def make_insert(
+    kernels: Sequence[AttentionKernel],
+) -> Callable[[DecodeState, DecodeState, Array], DecodeState]:
+    """``insert(prefix, state, slots i32[R]) -> state``: row ``i`` of the ``R``-row
+    ``prefix`` into slot ``slots[i]``; a negative entry skips its row (a padding row, or a
+    request that finished in prefill). ``kernels`` are the model's, one per layer: each
+    copies its own cache layout. A scatter per field with ``mode="drop"``, so no row but the
+    chosen ones changes; in place when ``state`` is donated. Slots must be distinct."""
+
+    def insert(prefix: DecodeState, state: DecodeState, slots: Array) -> DecodeState:
+        idx = jnp.where(slots >= 0, slots, state.slots)  # out of range -> dropped
+
+        def put(big: Array, rows: Array) -> Array:
+            return big.at[idx].set(rows.astype(big.dtype), mode="drop")
+
+        fields = jax.tree.map(
+            put, dataclasses.replace(state, cache=()), dataclasses.replace(prefix, cache=())
+        )
+        cache = tuple(
+            kernel.insert(big, rows, slots)
+            for kernel, big, rows in zip(kernels, state.cache, prefix.cache, strict=True)
+        )
+        return dataclasses.replace(fields, cache=cache)
+
+    return insert
+
+
+__all__ = [
+    "NO_TOKEN",
+    "Weights",
+    "advance_rows",
+    "decode_loop",
+    "decode_step",
+    "make_generate",
+    "make_insert",
+    "make_prefill",
+    "prepare_weights",
+    "step_weight_bytes",
+]

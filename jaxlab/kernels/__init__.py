@@ -1,0 +1,68 @@
+"""jaxlab.kernels: attention kernels behind one interface, and the platform tricks they use.
+
+Every kernel implements :class:`~jaxlab.kernels.base.AttentionKernel`: sequence attention
+(training, prefill) plus the layout of the decode cache it reads. The model picks one by
+name (``model.attention_impl``) and calls nothing else, so a new kernel (a Pallas one, a
+paged cache) is a new module here, not a change to the model.
+
+=============  ==========================================================================
+``reference``  the textbook math over a contiguous ``[B, S, K, D]`` cache: the spec that
+               every other kernel is tested against
+``xla``        ``jax.nn.dot_product_attention`` over the same cache (default off the CPU)
+``xla_cpu``    the reference's math in the layouts XLA:CPU compiles best: grouped
+               head-major einsums, causal halves, a blocked kv-head-major cache
+               (default on the CPU)
+=============  ==========================================================================
+
+``auto`` is resolved once, when the model is built, from the JAX backend
+(:func:`resolve`). Beside the kernels: :mod:`~jaxlab.kernels.masks` (who sees whom),
+:mod:`~jaxlab.kernels.reduce` (last-axis reductions, two-stage on XLA:CPU) and
+:mod:`~jaxlab.kernels.rows` (row buckets for XLA:CPU's decode step).
+"""
+
+from __future__ import annotations
+
+from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache
+from jaxlab.kernels.reference import Reference
+from jaxlab.kernels.xla import Xla
+from jaxlab.kernels.xla_cpu import XlaCpu
+
+#: Every kernel, by the name ``model.attention_impl`` uses.
+KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (Reference(), Xla(), XlaCpu())}
+
+#: What ``auto`` means on each JAX platform; any other platform gets ``xla``.
+AUTO = {"cpu": "xla_cpu"}
+
+#: Older configs (before kernels existed) named the grouped einsum ``einsum``.
+ALIASES = {"einsum": "xla_cpu"}
+
+
+def resolve(name: str, platform: str | None = None) -> str:
+    """The kernel name that ``name`` means on ``platform`` (default: JAX's default backend)."""
+    name = ALIASES.get(name, name)
+    if name != "auto":
+        if name not in KERNELS:
+            raise ValueError(f"unknown attention kernel {name!r}; expected auto or {list(KERNELS)}")
+        return name
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return AUTO.get(platform, "xla")
+
+
+def get(name: str) -> AttentionKernel:
+    """The kernel called ``name`` (``auto`` resolved on this process's backend)."""
+    return KERNELS[resolve(name)]
+
+
+__all__ = [
+    "ALIASES",
+    "AUTO",
+    "KERNELS",
+    "NO_SLOT",
+    "AttentionKernel",
+    "LayerCache",
+    "get",
+    "resolve",
+]

@@ -1,0 +1,56 @@
+"""Platform-specific op forms, chosen once per process from the JAX backend.
+
+Each switch here selects between two forms of the *same* function: the plain form, which is
+the readable reference, and a form that XLA compiles better on one platform. A test checks
+every tuned form against its reference (``tests/kernels``), so a switch can change speed,
+never results beyond float summation order. The measurements behind each choice are in
+``docs/performance.md``.
+
+What this module must not do: hold numerics policy (dtypes live in the config) or choose the
+attention kernel (``jaxlab.kernels.resolve`` does, by the same platform). Vendor-specific
+XLA flags live beside it, in :mod:`jaxlab.runtime.platform`.
+
+Importing this module does not import jax; :func:`current` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The op forms a platform gets. ``False`` everywhere is the reference."""
+
+    #: Reduce a minor (last) axis in two stages, ``[..., n/w, w]`` then ``w``: XLA:CPU emits
+    #: a minor-axis reduction as a scalar loop per row, and the two-stage form vectorises.
+    two_stage_reductions: bool = False
+    #: Keep a ``[d_model, vocab]`` copy of a tied LM head for decoding: XLA:CPU's few-row dot
+    #: that contracts the ``[vocab, d_model]`` table's minor axis is much slower.
+    transposed_head: bool = False
+    #: Decode only the leading rows up to the last active slot (a ``lax.switch`` over row
+    #: counts): on XLA:CPU a step's time grows with its rows; on accelerators it barely does.
+    row_buckets: bool = False
+
+
+#: The reference forms: accelerators compile them well.
+REFERENCE = Tuning()
+#: XLA:CPU.
+CPU = Tuning(two_stage_reductions=True, transposed_head=True, row_buckets=True)
+
+
+def tuning_for(platform: str) -> Tuning:
+    """The tuning of a JAX platform name (``"cpu"``, ``"tpu"``, ``"gpu"``, ...)."""
+    return CPU if platform == "cpu" else REFERENCE
+
+
+@functools.cache
+def current() -> Tuning:
+    """The tuning of this process's default JAX backend (decided once, at first use)."""
+    import jax
+
+    return tuning_for(jax.default_backend())
+
+
+__all__ = ["CPU", "REFERENCE", "Tuning", "current", "tuning_for"]
