@@ -10,8 +10,7 @@ import tempfile
 from pathlib import Path
 
 from jaxlab.config import load_config
-from jaxlab.infer.engine import Engine, Request
-from jaxlab.infer.sampling import SamplingParams
+from jaxlab.infer import Engine, Request, SamplingParams, load_run, offline
 from jaxlab.runtime import configure_platform
 from jaxlab.train.trainer import Trainer
 
@@ -31,10 +30,18 @@ def main() -> None:
     trainer.close()
     print(f"trained {summary.steps} steps: loss {summary.final_loss:.3f}, eval {summary.eval}")
 
-    engine = Engine.from_run_dir(run_dir)
+    # Inference: restore the params (no optimizer state), build the engine, and check each
+    # request once against the model and its tokenizer.
+    run = load_run(run_dir)
+    engine = Engine(run.graphdef, run.params, run.cfg)
+    limits = engine.limits(run.tokenizer.eot_id)
     greedy = SamplingParams(max_new_tokens=32, temperature=0.0)
     sampled = SamplingParams(max_new_tokens=32, temperature=0.8, top_k=20, seed=7)
-    for result in engine.generate([Request("count: 3 4 5", greedy), Request("the cat", sampled)]):
+    requests = [
+        Request.create(run.tokenizer.encode("count: 3 4 5"), greedy, limits),
+        Request.create(run.tokenizer.encode("the cat"), sampled, limits),
+    ]
+    for result in offline.generate(engine, requests, tokenizer=run.tokenizer):
         print(repr(result.text))
     print("compiles:", engine.compiles)
 

@@ -126,10 +126,10 @@ def prefill_suite(ctx: BenchContext) -> Iterator[Record]:
     for mode in ("bucketed", "exact"):
         engine = _engine(cfg, None if mode == "bucketed" else sorted(set(lengths)))
         t0 = time.perf_counter()
-        compile_before = engine._prefill.compiles
+        compile_before = engine.compiles["prefill"]
         for n in lengths:  # the sweep a stream of prompt lengths costs, compiles included
             prompt = rng.integers(0, cfg.model.vocab_size, n).tolist()
-            jax.block_until_ready(engine.prefill_batch([prompt], [sp])[0].tokens)
+            jax.block_until_ready(engine.prefill([prompt], [sp]).tokens)
         sweep_s = time.perf_counter() - t0
         yield ctx.record(
             "sweep_s",
@@ -137,7 +137,7 @@ def prefill_suite(ctx: BenchContext) -> Iterator[Record]:
             [sweep_s],
             case={"mode": mode, "distinct_lengths": len(lengths)},
             derived={
-                "prefill_compiles": engine._prefill.compiles - compile_before,
+                "prefill_compiles": engine.compiles["prefill"] - compile_before,
                 "buckets": list(engine.buckets),
             },
         )
@@ -146,7 +146,7 @@ def prefill_suite(ctx: BenchContext) -> Iterator[Record]:
             case = {"mode": mode, "prompt_len": n, "bucket": engine.bucket_for(n)}
             yield ctx.bench(
                 "prefill_s",
-                lambda p=prompt, e=engine: e.prefill_batch([p], [sp])[0].tokens,
+                lambda p=prompt, e=engine: e.prefill([p], [sp]).tokens,
                 case=case,
                 repeats=ctx.repeats(quick_cap=5),
                 warmup=1,

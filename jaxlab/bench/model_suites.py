@@ -93,6 +93,7 @@ def train_record(
     warm_each: int = 0,
 ) -> Record:
     """The train step's record; ``before`` and ``warm_each`` as in ``measure``."""
+    from jaxlab import kernels
     from jaxlab.model import flops_per_token
 
     case = {
@@ -101,7 +102,7 @@ def train_record(
         "seq_len": cfg.data.seq_len,
         "variant": variant_of(cfg),
         "compute_dtype": cfg.train.precision.compute_dtype,
-        "attention_impl": cfg.model.attention_impl,
+        "attention_impl": kernels.resolve(cfg.model.attention_impl),
     }
     try:
         runner = StepRunner(cfg, batch, accum)

@@ -31,28 +31,6 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return prompt
 
 
-def _check_fits(rd: Any, cfg: Any, prompt: str, max_new_tokens: int | None) -> None:
-    """The engine's length check, done early from the run's config and tokenizer files
-    (neither needs jax), so a request that cannot fit fails in milliseconds."""
-    from jaxlab.tokenizer import Tokenizer
-
-    if not (rd.tokenizer_dir / "tokenizer.json").is_file():
-        return  # the engine loads the checkpoint's own copy and checks there
-    n = len(Tokenizer.load(rd.tokenizer_dir).encode(prompt))
-    new = cfg.inference.max_new_tokens if max_new_tokens is None else max_new_tokens
-    cap = cfg.inference.max_len or cfg.model.max_seq_len
-    if n == 0:
-        raise UsageProblem("the prompt is empty (0 tokens); give at least one token")
-    if new < 1:
-        raise UsageProblem(f"--max-new-tokens must be >= 1 (got {new})")
-    if n + new > cap:
-        raise UsageProblem(
-            f"prompt ({n} tokens) + max_new_tokens ({new}) = {n + new} exceeds "
-            f"inference.max_len = {cap}; shorten the prompt, lower max_new_tokens or raise "
-            f"inference.max_len"
-        )
-
-
 def _quiet_libraries() -> None:
     import logging
 
@@ -111,28 +89,22 @@ def register(app: typer.Typer) -> None:
         if not rd.exists():
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         cfg = rd.load_config()
-        _check_fits(rd, cfg, text_prompt, max_new_tokens)  # usage errors before jax loads
         from jaxlab.runtime import configure_runtime
 
         configure_runtime(cfg.runtime)
         _quiet_libraries()
 
         from jaxlab.checkpoint import CheckpointNotFound
-        from jaxlab.infer import (
-            BadRequest,
-            Engine,
-            Request,
-            RequestTooLong,
-            SamplingParams,
-            Utf8Stream,
-        )
+        from jaxlab.infer import Engine, Request, RequestError, SamplingParams, load_run, offline
+        from jaxlab.tokenizer import Detokenizer
 
         try:
-            engine = Engine.from_run_dir(run_dir, step)
+            run = load_run(run_dir, step)
         except CheckpointNotFound as e:
             raise UsageProblem(str(e)) from None
+        engine = Engine(run.graphdef, run.params, run.cfg)
         sampling = SamplingParams.from_config(
-            engine.cfg.inference,
+            run.cfg.inference,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
@@ -140,28 +112,26 @@ def register(app: typer.Typer) -> None:
             seed=seed,
         )
         try:
-            ids = engine.encode(text_prompt)
-            engine.check_request(ids, sampling)
-        except (RequestTooLong, BadRequest) as e:
+            limits = engine.limits(run.tokenizer.eot_id)
+            request = Request.create(run.tokenizer.encode(text_prompt), sampling, limits)
+        except RequestError as e:
             raise UsageProblem(str(e)) from None
-        request = Request(ids, sampling)
 
         if stream:
-            assert engine.tokenizer is not None
             out = sys.stderr if json_ else sys.stdout
-            utf8 = Utf8Stream(engine.tokenizer)
-            st = engine.stream([request], kv_cache=kv_cache)
+            detok = Detokenizer(run.tokenizer)
+            st = offline.stream(engine, [request], kv_cache=kv_cache, tokenizer=run.tokenizer)
             for new in st:
-                piece = utf8.feed(new[0])
+                piece = "".join(detok.feed(t) for t in new[0])
                 if piece:
                     out.write(piece)
                     out.flush()
-            out.write(utf8.flush() + "\n")
+            out.write(detok.finish() + "\n")
             out.flush()
             gen = st.generation
             assert gen is not None
         else:
-            gen = engine.generate([request], kv_cache=kv_cache)
+            gen = offline.generate(engine, [request], kv_cache=kv_cache, tokenizer=run.tokenizer)
         res = gen[0]
         doc: dict[str, Any] = {
             "text": res.text,
@@ -179,7 +149,7 @@ def register(app: typer.Typer) -> None:
             "bucket": gen.bucket,
             "kv_cache": kv_cache,
             "stream": stream,
-            "checkpoint_step": engine.checkpoint_step,
+            "checkpoint_step": run.step,
             "platform": engine.platform,
             "precision": engine.precision,
         }
@@ -193,7 +163,7 @@ def register(app: typer.Typer) -> None:
         console.print(
             f"{res.generated_tokens} tokens ({res.finish_reason}) from a {res.prompt_tokens}-token "
             f"prompt: ttft {gen.ttft_s * 1e3:.1f} ms, {gen.tokens_per_s:,.0f} tok/s, "
-            f"compile {gen.compile_s:.2f}s{bucket}; step {engine.checkpoint_step}, "
+            f"compile {gen.compile_s:.2f}s{bucket}; step {run.step}, "
             f"{engine.platform}, {engine.precision}",
             markup=False,
             soft_wrap=True,

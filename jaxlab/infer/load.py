@@ -63,7 +63,9 @@ def load_run(
             raise ValueError("cfg.model differs from the checkpoint's model config")
         tokenizer = _load_tokenizer(meta, rd.tokenizer_dir)
         model_cfg, precision = cfg.model, cfg.train.precision
-        graphdef, abstract = split_model(nnx.eval_shape(lambda: make_model(model_cfg, precision, 0)))
+        graphdef, abstract = split_model(
+            nnx.eval_shape(lambda: make_model(model_cfg, precision, 0))
+        )
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract

@@ -88,22 +88,29 @@ class NaiveEngine:
         )
         self._generate: dict[int, ShapeKeyedJit] = {}
 
-    def prefill(
+    def initial_state(
         self, prompts: Sequence[Sequence[int]], samplings: Sequence[SamplingParams]
-    ) -> Prefill:
-        """The prompts in one ``[B, max_len]`` buffer, and the first token of each."""
+    ) -> NaiveState:
+        """The prompts in one ``[B, max_len]`` buffer, before any step."""
         b = len(prompts)
         buf = np.zeros((b, self.max_len), np.int32)
         for i, p in enumerate(prompts):
             buf[i, : len(p)] = p
-        state = NaiveState(
+        return NaiveState(
             buf=put(buf),
             pos=put(np.array([len(p) - 1 for p in prompts], np.int32)),
             generated=put(np.zeros((b,), np.int32)),
             done=put(np.zeros((b,), np.bool_)),
             sampling=sampling_arrays(samplings),
         )
-        state, tokens, done = self._prefill(self.engine.params, state)
+
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], samplings: Sequence[SamplingParams]
+    ) -> Prefill:
+        """The first step over the whole prompts: their first tokens."""
+        state, tokens, done = self._prefill(
+            self.engine.params, self.initial_state(prompts, samplings)
+        )
         return Prefill(state, tokens, done, None)
 
     def generate(self, state: NaiveState, k: int | None = None) -> tuple[NaiveState, Array, Array]:

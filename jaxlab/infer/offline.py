@@ -141,7 +141,9 @@ class Stream:
         eng, dev = self.engine, self.device
         compiled_before = eng.compile_seconds
         t0 = time.perf_counter()
-        pre = dev.prefill([r.prompt_ids for r in self.requests], [r.sampling for r in self.requests])
+        pre = dev.prefill(
+            [r.prompt_ids for r in self.requests], [r.sampling for r in self.requests]
+        )
         first, done = jax.device_get((pre.tokens, pre.done))
         t1 = time.perf_counter()
         compile_s = eng.compile_seconds - compiled_before
@@ -201,7 +203,9 @@ def generate(
     tokenizer: Tokenizer | None = None,
 ) -> Generation:
     """Run ``requests`` to completion as one batch; with ``tokenizer`` each result has text."""
-    s = Stream(engine, requests, kv_cache=kv_cache, chunk_tokens=engine.max_len, tokenizer=tokenizer)
+    s = Stream(
+        engine, requests, kv_cache=kv_cache, chunk_tokens=engine.max_len, tokenizer=tokenizer
+    )
     for _ in s:
         pass
     assert s.generation is not None

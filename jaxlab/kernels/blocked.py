@@ -206,9 +206,7 @@ def take_rows(cache: BlockedCache, r: int) -> BlockedCache:
     if r == cache.rows:
         return cache
     n = r * cache.n_kv
-    return BlockedCache(
-        tuple(b[:n] for b in cache.k), tuple(b[:n] for b in cache.v), cache.n_kv
-    )
+    return BlockedCache(tuple(b[:n] for b in cache.k), tuple(b[:n] for b in cache.v), cache.n_kv)
 
 
 def to_bskd(cache: BlockedCache) -> tuple[Array, Array]:

@@ -256,15 +256,16 @@ class Chain:
         r.details = ev
 
     def stage_generate(self, r: StageResult) -> None:
-        from jaxlab.infer.engine import Engine, Request
-        from jaxlab.infer.sampling import SamplingParams
+        from jaxlab.infer import Engine, Request, SamplingParams, load_run, offline
 
-        engine = Engine.from_run_dir(self.out / "run")
+        run = load_run(self.out / "run")
+        engine = Engine(run.graphdef, run.params, run.cfg)
+        limits = engine.limits(run.tokenizer.eot_id)
         prompts = ["count: 3 4 5", "the cat sat on", "12+7="]
         sp = SamplingParams(max_new_tokens=24, temperature=0.0)
-        reqs = [Request(p, sp) for p in prompts]
-        cached = engine.generate(reqs, kv_cache=True)
-        naive = engine.generate(reqs, kv_cache=False)
+        reqs = [Request.create(run.tokenizer.encode(p), sp, limits) for p in prompts]
+        cached = offline.generate(engine, reqs, kv_cache=True, tokenizer=run.tokenizer)
+        naive = offline.generate(engine, reqs, kv_cache=False)
         mismatch = [
             p for p, a, b in zip(prompts, cached, naive, strict=True) if a.token_ids != b.token_ids
         ]
@@ -273,7 +274,6 @@ class Chain:
         samples = {p: res.text for p, res in zip(prompts, cached, strict=True)}
         path = self.out / "generations.json"
         path.write_text(json.dumps(samples, indent=2))
-        self.ctx["engine"] = engine
         r.summary = f"{len(prompts)} prompts: cached == naive (greedy), compiles {engine.compiles}"
         r.evidence.append(str(path))
         r.details = {"samples": samples, "compiles": engine.compiles}

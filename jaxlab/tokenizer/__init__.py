@@ -33,7 +33,6 @@ from jaxlab.tokenizer.encoding import (
 )
 
 __all__ = [
-    "Detokenizer",
     "ENDOFTEXT",
     "GPT2_PAT_STR",
     "META_FILENAME",
@@ -41,6 +40,7 @@ __all__ = [
     "PAD",
     "RANKS_FILENAME",
     "SPECIAL_TOKENS",
+    "Detokenizer",
     "Tokenizer",
     "TokenizerKind",
     "bpe_tokenizer",

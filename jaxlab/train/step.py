@@ -60,7 +60,7 @@ def token_losses(
     most of the head's cost (``docs/performance.md``).
     """
     model = nnx.merge(graphdef, params)
-    h, _ = model.features(
+    h = model.features(
         batch["tokens"],
         batch["positions"],
         segment_ids=batch["segment_ids"],

@@ -66,7 +66,7 @@ def test_generate_json_stream_and_no_kv_cache_agree(run_dir):
     assert r.stderr.startswith(doc["text"] + "\n")  # streamed == non-streamed text
     assert doc["prompt_tokens"] == len(PROMPT.encode())  # byte tokenizer
     assert doc["generated_tokens"] == len(doc["token_ids"]) <= 24
-    assert doc["compiles"]["prefill"] == 1 and doc["compiles"]["decode"] == 1
+    assert doc["compiles"]["prefill"] == 1 and doc["compiles"]["generate"] == 1
     assert doc["bucket"] == 32 and doc["checkpoint_step"] == 20
     assert doc["platform"] == "cpu" and doc["precision"] == "float32"
     assert doc["ttft_s"] > 0 and doc["tokens_per_s"] > 0
@@ -88,13 +88,13 @@ def test_compilation_cache_dir_serves_a_second_run(run_dir, tmp_path):
     assert first.returncode == 0, first.stderr
     assert first.json()["compile_cache_hits"] == 0
     written = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
-    assert any("decode" in name for name in written), sorted(written)
+    assert any("generate" in name for name in written), sorted(written)
     second = run_cli("generate", "--run-dir", str(run_dir), *args, env=env)
     assert second.returncode == 0, second.stderr
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == written
     assert second.json()["token_ids"] == first.json()["token_ids"]
     compiles = second.json()["compiles"]
-    assert compiles == first.json()["compiles"] and compiles["prefill"] == compiles["decode"] == 1
+    assert compiles == first.json()["compiles"] and compiles["prefill"] == compiles["generate"] == 1
     assert second.json()["compile_cache_hits"] == sum(compiles.values())
 
 
@@ -111,3 +111,26 @@ def test_generate_bad_input_exits_2(run_dir, tmp_path):
     assert r.returncode == 2
     assert "inference.max_len = 128" in r.stderr and "129" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_load_run_restores_the_params_alone(run_dir):
+    """Inference reads only the ``params`` subtree of the checkpoint: the same arrays as the
+    full train-state restore, no optimizer built, the step and tokenizer recorded."""
+    import jax
+    import numpy as np
+
+    from jaxlab.checkpoint import Checkpointer
+    from jaxlab.infer import load_run
+
+    run = load_run(run_dir)
+    assert run.step == 20 and run.tokenizer.n_vocab == 258
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as ck:
+        full, _ = ck.restore(20, None)
+    want = jax.tree.leaves(full["params"])
+    got = jax.tree.leaves(run.params)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not any(
+        "opt" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(run.params)
+    )

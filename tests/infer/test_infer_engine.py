@@ -1,4 +1,4 @@
-"""The engine: cached == full-prefix decode, ragged batches, buckets, compiles, serving flow.
+"""The engine: cached == full-prefix decode, ragged batches, buckets, compiles, slots.
 
 Compiles dominate the cost of these tests, so every test draws on a few engines cached at
 module level with fixed shapes (batch, bucket, max_len): hypothesis examples vary prompt
@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -24,11 +23,14 @@ from jaxlab.infer import (
     RequestTooLong,
     SamplingParams,
     decode_step,
+    generate,
+    measure,
     naive_step,
+    stream,
 )
-from jaxlab.infer.core import prefill_forward
-from jaxlab.infer.state import to_model_cache
-from jaxlab.model import apply, init_kv_cache, make_model, split_model
+from jaxlab.kernels import KERNELS
+from jaxlab.kernels.rows import row_buckets
+from jaxlab.model import make_model, split_model
 
 VOCAB = 258
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
@@ -100,7 +102,7 @@ def lockstep(n_kv_heads: int):
 
     def both(weights, cached, full):
         return (
-            decode_step(eng.graphdef, weights, cached),
+            decode_step(eng.graphdef, weights, cached, buckets=eng.tuning.row_buckets),
             naive_step(eng.graphdef, weights.params, full),
         )
 
@@ -109,6 +111,10 @@ def lockstep(n_kv_heads: int):
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def req(prompt: list[int], sampling: SamplingParams, eng: Engine | None = None) -> Request:
+    return Request.create(prompt, sampling, (eng or main_engine()).limits())
 
 
 def prompts_of(n_rows: int, max_size: int = 14):
@@ -133,11 +139,11 @@ def test_cached_decode_equals_full_prefix_decode(n_kv_heads, prompts, seed):
     weights = eng.weights(params)  # the tied variant's head: a transposed copy, as served
     step = lockstep(n_kv_heads)
     sp = [greedy(9)] * len(prompts)
-    state, _ = eng.prefill_batch(prompts, sp, params=params, bucket=16)
-    naive = eng._naive_state(prompts, sp)
+    pre = eng.prefill(prompts, sp, params=params, bucket=16)
+    naive = eng.naive().initial_state(prompts, sp)
     # The cached state is one token ahead (prefill sampled t = 0), so the naive step i is
     # compared with the cached step i - 1, and naive step 0 with prefill's token.
-    ahead_logits, ahead_tokens = None, np.asarray(state.tokens)
+    state, ahead_logits, ahead_tokens = pre.state, None, np.asarray(pre.tokens)
     for i in range(7):
         (state, lc, ec), (naive, ln, en) = step(weights, state, naive)
         if ahead_logits is not None:
@@ -146,58 +152,17 @@ def test_cached_decode_equals_full_prefix_decode(n_kv_heads, prompts, seed):
         ahead_logits, ahead_tokens = np.asarray(lc), np.asarray(ec)
 
 
-def test_prefill_and_decode_step_equal_the_models_cached_forward():
-    """Prefill (head only at the last positions, a bucket-length cache) and the fused decode
-    step == ``model.apply`` with the model's own KV cache layout."""
-    eng = main_engine()
-    prompts = [[5, 6, 7], [9] * 11, [1, 2]]
-    tokens = np.zeros((3, 16), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts])
-
-    def both(weights, tokens, lengths):
-        params = weights.params
-        cache = init_kv_cache(eng.cfg.model, 3, eng.max_len)
-        pos = jnp.broadcast_to(jnp.arange(16), (3, 16))
-        full, ref = apply(eng.graphdef, params, tokens, pos, kv_cache=cache, cache_index=pos[:, 0])
-        model = nnx.merge(eng.graphdef, params)
-        last, got = prefill_forward(model, weights.head, tokens, lengths, cache)
-        return jnp.take_along_axis(full, (lengths - 1)[:, None, None], 1)[:, 0], ref, last, got
-
-    want, ref, last, got = jax.jit(both)(eng.weights(), jnp.asarray(tokens), lengths)
-    np.testing.assert_allclose(np.asarray(last), np.asarray(want), atol=2e-5)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-    # The engine's prefill runs over a cache of the bucket's 16 slots, not max_len: the
-    # same cache (zeros past the bucket) and the same first tokens as the model's forward
-    # over every slot.
-    state, _ = eng.prefill_batch(prompts, [greedy(4)] * 3, bucket=16)
-    assert eng.max_len > 16
-    for a, b in zip(jax.tree.leaves(to_model_cache(state)), jax.tree.leaves(ref), strict=True):
-        assert a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(state.tokens), np.argmax(np.asarray(want), -1))
-    ref_logits, ref_cache = jax.jit(
-        lambda p, c, t, q: apply(eng.graphdef, p, t[:, None], q[:, None], kv_cache=c, cache_index=q)
-    )(eng.params, to_model_cache(state), state.tokens, state.pos)
-    naive = eng._naive_state(prompts, [greedy(4)] * 3)
-    (new, logits, _), _ = lockstep(2)(eng.weights(), state, naive)  # reuse its executable
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits[:, 0]), atol=2e-5)
-    assert ref_cache is not None
-    for a, b in zip(jax.tree.leaves(to_model_cache(new)), jax.tree.leaves(ref_cache), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+# ------------------------------------------------------------------- weights for decoding
 
 
-def test_weights_hold_the_lm_head_as_a_d_model_by_vocab_kernel():
-    """Tied: a transposed copy of the embedding table, rebuilt when ``params`` change.
-    Untied: the ``lm_head`` parameter itself, no copy."""
+def test_a_tied_head_is_transposed_once_for_decoding_on_the_cpu():
+    """Tied: a ``[d_model, vocab]`` copy of the embedding table (XLA:CPU's tuning), rebuilt
+    when ``params`` change. Untied: no copy, the ``lm_head`` parameter itself is read."""
     tied = variant_engine(1)
-    assert tied.cfg.model.tie_embeddings
+    assert tied.cfg.model.tie_embeddings and tied.tuning.transposed_head
     table = np.asarray(tied.params["embed"]["table"][...])
     head = tied.weights().head
-    assert head.shape == (tied.cfg.model.d_model, VOCAB)
+    assert head is not None and head.shape == (tied.cfg.model.d_model, VOCAB)
     np.testing.assert_array_equal(np.asarray(head), table.T)
     assert tied.weights() is tied.weights()  # prepared once, not per call
 
@@ -214,7 +179,7 @@ def test_weights_hold_the_lm_head_as_a_d_model_by_vocab_kernel():
 
     untied = main_engine()
     assert not untied.cfg.model.tie_embeddings
-    assert untied.weights().head is untied.params["lm_head"][...]
+    assert untied.weights().head is None
 
 
 def test_step_weight_bytes_count_what_a_decode_step_reads():
@@ -229,7 +194,7 @@ def test_step_weight_bytes_count_what_a_decode_step_reads():
         tables = nbytes(engine.params["embed"])
         if "pos_embed" in engine.params:
             tables += nbytes(engine.params["pos_embed"])
-        head = m.vocab_size * m.d_model * engine.weights().head.dtype.itemsize
+        head = m.vocab_size * m.d_model * 4  # f32
         expected = nbytes(engine.params) - tables + (head if m.tie_embeddings else 0)
         assert engine.step_weight_bytes == expected
     assert "pos_embed" in variant_engine(1).params  # the learned-positions case was covered
@@ -243,12 +208,12 @@ def test_step_weight_bytes_count_what_a_decode_step_reads():
 def test_ragged_batch_equals_each_prompt_alone(prompts, budgets):
     """Different lengths and budgets in one batch; each row equals its solo generation."""
     eng = main_engine()
-    reqs = [Request(p, greedy(n)) for p, n in zip(prompts, budgets, strict=True)]
-    batch = eng.generate(reqs)
+    reqs = [req(p, greedy(n)) for p, n in zip(prompts, budgets, strict=True)]
+    batch = generate(eng, reqs)
     assert batch.bucket == (16 if max(map(len, prompts)) > 8 else 8)
-    for req, res in zip(reqs, batch, strict=True):
-        assert res.token_ids == eng.generate([req])[0].token_ids
-        assert res.generated_tokens == req.sampling.max_new_tokens
+    for r, res in zip(reqs, batch, strict=True):
+        assert res.token_ids == generate(eng, [r])[0].token_ids
+        assert res.generated_tokens == r.sampling.max_new_tokens
         assert res.finish_reason == "length"
 
 
@@ -259,9 +224,9 @@ def test_bucketing_never_changes_outputs(prompt):
     eng = main_engine()
     outs = []
     for bucket in (8, 64):
-        state, _ = eng.prefill_batch([prompt], [greedy(10)], bucket=bucket)
-        first = int(state.tokens[0])
-        state, toks, done = eng.generate_chunk(state, eng.max_len)  # generate's executable
+        pre = eng.prefill([prompt], [greedy(10)], bucket=bucket)
+        first = int(pre.tokens[0])
+        _, toks, done = eng.generate(pre.state, eng.max_len)  # offline generate's executable
         assert bool(done[0])
         outs.append([first] + [int(t) for t in np.asarray(toks)[:, 0] if t >= 0])
     assert outs[0] == outs[1] and len(outs[0]) == 10
@@ -270,13 +235,13 @@ def test_bucketing_never_changes_outputs(prompt):
 # ------------------------------------------------------------------------- compiles
 
 
-def test_decode_compiles_once_and_prefill_once_per_bucket():
-    """Batch-1 decode: one executable for 200 tokens (every step and position); prefill:
+def test_generate_compiles_once_and_prefill_once_per_bucket():
+    """Batch-1 decoding: one executable for 200 tokens (every step and position); prefill:
     at most one per bucket across many prompt lengths (signatures hold the shapes)."""
     eng = main_engine()
-    gen = eng.generate([Request([1, 2, 3], greedy(200))])
+    gen = generate(eng, [req([1, 2, 3], greedy(200))])
     assert gen[0].generated_tokens == 200
-    used = {eng.generate([Request(list(range(n)), greedy(2))]).bucket for n in range(1, 40, 2)}
+    used = {generate(eng, [req(list(range(n)), greedy(2))]).bucket for n in range(1, 40, 2)}
     assert used == {8, 16, 32, 64}
 
     def batch1(name: str) -> list[str]:
@@ -284,49 +249,51 @@ def test_decode_compiles_once_and_prefill_once_per_bucket():
             t.signature for t in eng.compile_log if t.name == name and "int32[1]" in t.signature
         ]
 
-    assert len(batch1("decode")) == 1  # (k = max_len, 1 slot): all 200 steps, all lengths
+    assert len(batch1("generate")) == 1  # (k = max_len, 1 slot): all 200 steps, all lengths
     prefill = batch1("prefill")
     buckets = sorted(int(s.split("int32[1, ")[1].split("]")[0]) for s in prefill)
     assert buckets == sorted(set(buckets)) and set(used) <= set(buckets) <= set(eng.buckets)
-    assert gen.compiles["decode"] >= 1  # the counts travel with the results
+    assert gen.compiles["generate"] >= 1  # the counts travel with the results
 
 
 def test_requests_that_cannot_fit_get_a_clear_error():
     eng = main_engine()
     with pytest.raises(RequestTooLong, match=r"inference\.max_len = 256") as e:
-        eng.generate([Request(list(range(200)), greedy(57))])
+        req(list(range(200)), greedy(57))
     assert "200 tokens" in str(e.value) and "57" in str(e.value) and "257" in str(e.value)
-    eng.check_request(list(range(200)), greedy(56))  # exactly full is fine
+    assert e.value.param == "prompt"
+    req(list(range(200)), greedy(56), eng)  # exactly full is fine
 
 
-# ---------------------------------------------------------------- serving building blocks
+# ---------------------------------------------------------------- the device API verbs
 
 
-def test_prefill_insert_generate_chunk_equals_offline_generate():
+def test_prefill_insert_generate_equals_offline_generate():
     """JetStream-style slots: prefill one request at a time, insert, decode in chunks;
     a finished slot is refilled mid-flight. Every request matches offline generation."""
     eng = main_engine()
     reqs = [
-        Request([3, 1, 4, 1, 5], greedy(6)),
-        Request([2, 7, 1, 8, 2, 8, 1, 8, 2, 8], greedy(20)),
-        Request([9], SamplingParams(max_new_tokens=9, temperature=0.9, top_k=40, seed=7)),
-        Request([6, 6, 6], greedy(5)),  # waits for a free slot
+        req([3, 1, 4, 1, 5], greedy(6)),
+        req([2, 7, 1, 8, 2, 8, 1, 8, 2, 8], greedy(20)),
+        req([9], SamplingParams(max_new_tokens=9, temperature=0.9, top_k=40, seed=7)),
+        req([6, 6, 6], greedy(5)),  # waits for a free slot
     ]
-    expected = [eng.generate([r])[0].token_ids for r in reqs]
+    expected = [generate(eng, [r])[0].token_ids for r in reqs]
 
     state = eng.init_decode_state(3)
     got: dict[int, list[int]] = {}
     slot_of: dict[int, int] = {}
     waiting = list(range(len(reqs)))
     free = [0, 1, 2]
+    inserts = eng.compiles["insert"]
     while waiting or slot_of:
         while waiting and free:
             i, slot = waiting.pop(0), free.pop(0)
-            prefix = eng.prefill(reqs[i].prompt, reqs[i].sampling)
-            got[i] = [int(prefix.tokens[0])]
-            state = eng.insert(prefix, state, slot)
+            pre = eng.prefill([reqs[i].prompt_ids], [reqs[i].sampling])
+            got[i] = [int(pre.tokens[0])]
+            state = eng.insert(pre.state, state, [slot])
             slot_of[i] = slot
-        state, toks, done = eng.generate_chunk(state, 4)
+        state, toks, done = eng.generate(state, 4)
         toks, done = np.asarray(toks), np.asarray(done)
         for i, slot in list(slot_of.items()):
             got[i] += [int(t) for t in toks[:, slot] if t >= 0]
@@ -334,35 +301,25 @@ def test_prefill_insert_generate_chunk_equals_offline_generate():
                 del slot_of[i]
                 free.append(slot)
     assert [got[i] for i in range(len(reqs))] == expected
-    assert eng.compiles["insert"] == 1
-
-
-@pytest.mark.parametrize(
-    ("slots", "buckets"),
-    [(1, (1,)), (3, (1, 3)), (4, (1, 4)), (8, (1, 4, 8)), (16, (1, 4, 16)), (64, (1, 4, 16, 64))],
-)
-def test_row_buckets(slots, buckets):
-    from jaxlab.infer.fused import row_buckets
-
-    assert row_buckets(slots) == buckets
+    assert eng.compiles["insert"] - inserts <= 1  # one-row prefix into 3 slots: one shape
 
 
 def slot_request(slot: int) -> Request:
     prompt = [(slot * 7 + j) % VOCAB for j in range(1 + slot % 5)]
     if slot % 3 == 2:
-        return Request(prompt, SamplingParams(max_new_tokens=5, temperature=0.9, seed=slot))
-    return Request(prompt, greedy(3 + slot % 4))
+        return req(prompt, SamplingParams(max_new_tokens=5, temperature=0.9, seed=slot))
+    return req(prompt, greedy(3 + slot % 4))
 
 
 @functools.cache
 def slots_engine() -> Engine:
-    """Its own engine: the 16-slot state compiles insert and decode shapes of its own."""
+    """Its own engine: the 16-slot state compiles insert and generate shapes of its own."""
     return make_engine(tiny_cfg(2, 256, [8, 256]))
 
 
 @functools.cache
 def solo_tokens(slot: int) -> list[int]:
-    return slots_engine().generate([slot_request(slot)])[0].token_ids
+    return generate(slots_engine(), [slot_request(slot)])[0].token_ids
 
 
 @SETTINGS
@@ -372,38 +329,38 @@ def solo_tokens(slot: int) -> list[int]:
 @example(active={15})
 @given(active=st.sets(st.integers(0, 15), min_size=1, max_size=16))
 def test_idle_slots_past_the_last_active_row_are_skipped_exactly(active):
-    """16 slots, any set of occupied ones: the step computes only the leading rows up to
-    the last occupied slot (a 1-, 4- or 16-row branch); every request still equals its
-    offline generation, and the cache of every slot past the computed rows (finished
-    requests here) is unchanged."""
-    from jaxlab.infer.fused import row_buckets
-
+    """16 slots, any set of occupied ones: on the CPU the step computes only the leading
+    rows up to the last occupied slot (a 1-, 4- or 16-row branch); every request still
+    equals its offline generation, and the cache of every slot past the computed rows
+    (finished requests here) is unchanged."""
     eng = slots_engine()
-    buckets = row_buckets(16)
-    assert buckets == (1, 4, 16)
-    computed = next(r for r in buckets if r > max(active))
+    assert eng.tuning.row_buckets and row_buckets(16) == (1, 4, 16)
+    computed = next(r for r in row_buckets(16) if r > max(active))
     state = eng.init_decode_state(16)
     got: dict[int, list[int]] = {}
     for slot in range(16):
-        req = slot_request(slot)
+        r = slot_request(slot)
         if slot not in active:  # a finished request: done, with a filled cache row
-            req = Request(req.prompt, greedy(1))
-        prefix = eng.prefill(req.prompt, req.sampling)
-        got[slot] = [int(prefix.tokens[0])]
-        state = eng.insert(prefix, state, slot)
-    kv = eng.cfg.model.n_kv_heads
-    before = [np.asarray(b[computed * kv :]) for b in jax.tree.leaves((state.k, state.v))]
+            r = req(list(r.prompt_ids), greedy(1))
+        pre = eng.prefill([r.prompt_ids], [r.sampling])
+        got[slot] = [int(pre.tokens[0])]
+        state = eng.insert(pre.state, state, [slot])
+    kernel = KERNELS[eng.kernel]
+
+    def tail(state) -> list[np.ndarray]:
+        return [np.asarray(a[computed:]) for layer in state.cache for a in kernel.to_bskd(layer)]
+
+    before = tail(state)
     while not bool(np.all(np.asarray(state.done))):
-        state, toks, _ = eng.generate_chunk(state, 4)
+        state, toks, _ = eng.generate(state, 4)
         for slot in active:
             got[slot] += [int(t) for t in np.asarray(toks)[:, slot] if t >= 0]
-    after = [np.asarray(b[computed * kv :]) for b in jax.tree.leaves((state.k, state.v))]
-    for a, b in zip(before, after, strict=True):
+    for a, b in zip(before, tail(state), strict=True):
         np.testing.assert_array_equal(a, b)
     assert {s: got[s] for s in active} == {s: solo_tokens(s) for s in active}
 
 
-def test_batched_prefill_insert_rows_equals_offline_generate():
+def test_batched_prefill_and_insert_equal_offline_generate():
     """Several requests prefilled as one ragged batch and scattered into chosen slots
     (one row skipped with -1) decode exactly as each request alone."""
     eng = main_engine()
@@ -414,50 +371,63 @@ def test_batched_prefill_insert_rows_equals_offline_generate():
         greedy(4),
     ]
     expected = [
-        eng.generate([Request(p, s)])[0].token_ids for p, s in zip(prompts, samplings, strict=True)
+        generate(eng, [req(p, s)])[0].token_ids for p, s in zip(prompts, samplings, strict=True)
     ]
     state = eng.init_decode_state(4)
-    prefix, _ = eng.prefill_batch(prompts, samplings)
-    first = np.asarray(prefix.tokens)
+    pre = eng.prefill(prompts, samplings)
+    first = np.asarray(pre.tokens)
     slots = [3, 0, -1]
-    state = eng.insert_rows(prefix, state, slots)
+    state = eng.insert(pre.state, state, slots)
     got = {0: [int(first[0])], 1: [int(first[1])]}
     while not bool(np.all(np.asarray(state.done))):
-        state, toks, _ = eng.generate_chunk(state, 4)
+        state, toks, _ = eng.generate(state, 4)
         for i in (0, 1):
             got[i] += [int(t) for t in np.asarray(toks)[:, slots[i]] if t >= 0]
     assert [got[0], got[1]] == expected[:2]
     assert bool(np.asarray(state.done)[1]) and bool(np.asarray(state.done)[2])  # untouched
     assert int(first[2]) == expected[2][0]  # the skipped row was still prefilled right
     with pytest.raises(ValueError, match="distinct"):
-        eng.insert_rows(prefix, eng.init_decode_state(4), [1, 1, -1])
+        eng.insert(pre.state, eng.init_decode_state(4), [1, 1, -1])
     with pytest.raises(ValueError, match="3 rows"):
-        eng.insert_rows(prefix, eng.init_decode_state(4), [0, 1])
+        eng.insert(pre.state, eng.init_decode_state(4), [0, 1])
     with pytest.raises(IndexError, match="out of range"):
-        eng.insert_rows(prefix, eng.init_decode_state(4), [0, 4, -1])
+        eng.insert(pre.state, eng.init_decode_state(4), [0, 4, -1])
 
 
 def test_stream_chunks_concatenate_to_the_offline_result():
     eng = main_engine()
-    reqs = [Request([1, 2, 3], greedy(13)), Request([4] * 9, greedy(5)), Request([7], greedy(1))]
-    stream = eng.stream(reqs, chunk_tokens=4)
-    pieces = list(stream)
+    reqs = [req([1, 2, 3], greedy(13)), req([4] * 9, greedy(5)), req([7], greedy(1))]
+    s = stream(eng, reqs, chunk_tokens=4)
+    pieces = list(s)
     assert len(pieces) == 1 + 3  # prefill, then ceil(12 / 4) chunks
     joined = [[t for p in pieces for t in p[i]] for i in range(3)]
-    assert joined == [r.token_ids for r in eng.generate(reqs)]
-    assert stream.generation is not None and stream.generation.ttft_s > 0
+    assert joined == [r.token_ids for r in generate(eng, reqs)]
+    assert s.generation is not None and s.generation.ttft_s > 0
+
+
+def test_the_cache_free_baseline_runs_through_the_same_offline_code():
+    eng = variant_engine(1)
+    reqs = [req([1, 2, 3], greedy(6), eng), req([4] * 9, greedy(4), eng)]
+    cached, naive = generate(eng, reqs), generate(eng, reqs, kv_cache=False)
+    assert [r.token_ids for r in naive] == [r.token_ids for r in cached]
+    assert naive.bucket is None and not naive.kv_cache
+    assert eng.compiles["naive_prefill"] == 1 and eng.compiles["naive_generate"] >= 1
 
 
 def test_eos_and_stop_tokens_end_a_row_and_are_not_returned():
     eng = main_engine()
-    free_run = eng.generate([Request([5, 5, 5], greedy(12))])[0].token_ids
+    free_run = generate(eng, [req([5, 5, 5], greedy(12))])[0].token_ids
     stop = free_run[4]
     cut = free_run.index(stop)
-    res = eng.generate(
-        [Request([5, 5, 5], SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))]
+    res = generate(
+        eng, [req([5, 5, 5], SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))]
     )[0]
     assert res.token_ids == free_run[:cut]
     assert res.finish_reason == "stop"
+    # The tokenizer's EOS (Limits.eos_id) is one more stop token, folded in once.
+    with_eos = Request.create([5, 5, 5], SamplingParams(max_new_tokens=12), eng.limits(stop))
+    assert with_eos.stop_ids == {stop}
+    assert generate(eng, [with_eos])[0].token_ids == free_run[:cut]
 
 
 # -------------------------------------------------------------------------- sampling
@@ -472,10 +442,10 @@ def sampled(seed: int, **kw: object) -> SamplingParams:
 def test_same_seed_same_sample_different_seeds_differ():
     eng = main_engine()
     prompt = [10, 20, 30]
-    a = eng.generate([Request(prompt, sampled(1))])[0].token_ids
-    b = eng.generate([Request(prompt, sampled(1))])[0].token_ids
+    a = generate(eng, [req(prompt, sampled(1))])[0].token_ids
+    b = generate(eng, [req(prompt, sampled(1))])[0].token_ids
     assert a == b
-    others = [eng.generate([Request(prompt, sampled(s))])[0].token_ids for s in range(2, 6)]
+    others = [generate(eng, [req(prompt, sampled(s))])[0].token_ids for s in range(2, 6)]
     assert all(o != a for o in others)
 
 
@@ -486,39 +456,35 @@ def test_same_seed_same_sample_different_seeds_differ():
 )
 def test_a_request_samples_the_same_alone_and_in_a_mixed_batch(seed, prompt):
     eng = main_engine()
-    mine = Request(prompt, sampled(seed, top_k=50, top_p=0.9, temperature=0.8))
-    alone = eng.generate([mine])[0].token_ids
-    mixed = eng.generate(
+    mine = req(prompt, sampled(seed, top_k=50, top_p=0.9, temperature=0.8))
+    alone = generate(eng, [mine])[0].token_ids
+    mixed = generate(
+        eng,
         [
-            Request([1, 2, 3, 4, 5, 6, 7, 8, 9], greedy(4)),
+            req([1, 2, 3, 4, 5, 6, 7, 8, 9], greedy(4)),
             mine,
-            Request([42], sampled(seed + 1, temperature=1.5)),
-        ]
+            req([42], sampled(seed + 1, temperature=1.5)),
+        ],
     )
     assert mixed[1].token_ids == alone
 
 
-def test_measure_generate_runs_before_and_warm_each_untimed():
+def test_measure_generate_runs_before_and_warm_each_untimed(monkeypatch):
     """The peer suite runs the peer's repetition in ``before`` (once per call, warm-up
     included) and one of ours right after it (``warm_each``), neither inside a sample."""
-    from jaxlab.infer import measure_generate
-
     eng = variant_engine(1)
     calls: list[int] = []
-    real = eng.generate
+    seen: list[None] = []
+    real = measure.offline.generate
 
     def counting(*a, **k):
         calls.append(len(seen))
         return real(*a, **k)
 
-    seen: list[None] = []
-    eng.generate = counting  # type: ignore[method-assign]
-    try:
-        r = measure_generate(
-            eng, 1, 4, 3, repeats=3, warmup=2, before=lambda: seen.append(None), warm_each=1
-        )
-    finally:
-        del eng.generate
+    monkeypatch.setattr(measure.offline, "generate", counting)
+    r = measure.measure_generate(
+        eng, 1, 4, 3, repeats=3, warmup=2, before=lambda: seen.append(None), warm_each=1
+    )
     # two warm-up calls, then per repetition: before, one untimed call, the timed call
     assert calls == [1, 2, 3, 3, 4, 4, 5, 5], "each call follows its own before()"
     assert len(r["wall_s"]) == 3 and all(v == 0 for v in r["recompiles_while_timed"].values())

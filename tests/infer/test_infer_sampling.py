@@ -92,7 +92,7 @@ def jitted_sample():
 
 
 def draw(logits: np.ndarray, params: list[SamplingParams], t: list[int]) -> np.ndarray:
-    sp = sampling_arrays(params, None)
+    sp = sampling_arrays(params)
     return np.asarray(jitted_sample()(jnp.asarray(logits), sp, jnp.asarray(t, jnp.int32)))
 
 
@@ -186,3 +186,16 @@ def test_inverse_cdf_never_draws_a_masked_token(seed: int, v: int, u: float):
     row[rng.integers(v)] = 1.0  # at least one token drawable
     got = int(jitted_inverse_cdf()(jnp.asarray(row[None]), jnp.asarray([u], jnp.float32))[0])
     assert np.isfinite(row[got])
+
+
+def test_eos_is_folded_into_the_stop_tokens_once_unless_ignored():
+    sp = SamplingParams(stop_token_ids=(4, 9))
+    assert sp.with_eos(7).stop_token_ids == (4, 9, 7)
+    assert sp.with_eos(7).with_eos(7).stop_token_ids == (4, 9, 7)
+    assert sp.with_eos(None) is sp
+    assert SamplingParams(ignore_eos=True).with_eos(7).stop_token_ids == ()
+    assert SamplingParams(top_p=0.0).problem() == (
+        "top_p",
+        "top_p must be in (0, 1], 1 = off (got 0.0)",
+    )
+    assert sp.problem() is None

@@ -1,9 +1,10 @@
-"""KV cache: prefill + decode through the cache reproduces the full-sequence forward.
+"""The model's cached modes reproduce its sequence forward, with every attention kernel.
 
 This is the model-level invariant the inference engine relies on: for every row, the logits
-of a right-padded prefill (cache_index 0) and of each following single-token decode step
-(cache_index = positions = the row's current length, ragged across rows) equal the logits
-of one plain causal forward over the whole sequence, within f32 tolerance.
+of a right-padded prefill and of each following one-token decode step (each row at its own
+position, ragged), and of a chunk that extends a cache from a different slot per row,
+equal the logits of one plain causal forward over the whole sequence, within f32 tolerance.
+Each kernel keeps the cache in its own layout; the model never looks inside.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 from flax import nnx
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
-from jaxlab.model import KVCache, Transformer, apply, init_kv_cache, split_model
+from jaxlab.kernels import KERNELS
+from jaxlab.model import Cache, Transformer, split_model
 
 F32 = PrecisionConfig()
 ATOL = RTOL = 2e-5
@@ -33,7 +35,8 @@ def tiny(**overrides: Any) -> ModelConfig:
 
 
 CONFIGS = {
-    "rope-gqa-einsum": tiny(),
+    "rope-gqa-xla_cpu": tiny(attention_impl="xla_cpu"),
+    "rope-gqa-reference": tiny(attention_impl="reference"),
     "learned-mqa-xla-tied-gelu": tiny(
         positions="learned", n_kv_heads=1, attention_impl="xla", tie_embeddings=True, mlp="gelu"
     ),
@@ -55,7 +58,7 @@ def random_params(abstract: nnx.State, seed: int) -> nnx.State:
 
 
 class CachedModel:
-    """Jitted full forward and jitted cached step (cache donated, as an engine would)."""
+    """Jitted full forward, prefill, and cached extension (cache donated, as an engine does)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
@@ -65,48 +68,48 @@ class CachedModel:
 
         def full(params: nnx.State, tokens: jax.Array) -> jax.Array:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-            return apply(graphdef, params, tokens, positions)[0]
+            return nnx.merge(graphdef, params)(tokens, positions)
+
+        def prefill(params: nnx.State, tokens: jax.Array) -> tuple[jax.Array, Cache]:
+            model = nnx.merge(graphdef, params)
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            h, cache = model.prefill(tokens, positions, MAX_LEN)
+            return model.logits(h), cache
 
         @functools.partial(jax.jit, donate_argnums=(1,))
-        def step(
-            params: nnx.State,
-            cache: KVCache,
-            tokens: jax.Array,
-            positions: jax.Array,
-            cache_index: jax.Array,
-        ) -> tuple[jax.Array, KVCache]:
-            logits, new_cache = apply(
-                graphdef, params, tokens, positions, kv_cache=cache, cache_index=cache_index
-            )
-            assert new_cache is not None
-            return logits, new_cache
+        def extend(
+            params: nnx.State, cache: Cache, tokens: jax.Array, positions: jax.Array
+        ) -> tuple[jax.Array, Cache]:
+            model = nnx.merge(graphdef, params)
+            if tokens.shape[1] == 1:  # the decode form
+                h, cache = model.decode(tokens[:, 0], positions[:, 0], cache)
+                return model.logits(h)[:, None], cache
+            h, cache = model.extend(tokens, positions, cache)
+            return model.logits(h), cache
 
         self.full = jax.jit(full)
-        self.step = step
+        self.prefill = jax.jit(prefill)
+        self.extend = extend
 
     def run_full(self, tokens: np.ndarray) -> np.ndarray:
         return np.asarray(self.full(self.params, jnp.asarray(tokens, jnp.int32)))
 
-    def run_step(
-        self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray, cache_index: np.ndarray
-    ) -> tuple[np.ndarray, KVCache]:
-        logits, cache = self.step(
-            self.params,
-            cache,
-            jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(positions, jnp.int32),
-            jnp.asarray(cache_index, jnp.int32),
+    def run_prefill(self, tokens: np.ndarray) -> tuple[np.ndarray, Cache]:
+        logits, cache = self.prefill(self.params, jnp.asarray(tokens, jnp.int32))
+        return np.asarray(logits), cache
+
+    def run_extend(
+        self, cache: Cache, tokens: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, Cache]:
+        logits, cache = self.extend(
+            self.params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
         )
         return np.asarray(logits), cache
 
 
-_MODELS: dict[str, CachedModel] = {}
-
-
+@functools.cache
 def cached_model(name: str) -> CachedModel:
-    if name not in _MODELS:
-        _MODELS[name] = CachedModel(CONFIGS[name])
-    return _MODELS[name]
+    return CachedModel(CONFIGS[name])
 
 
 MAX_LEN, BUCKET, N_DECODE = 16, 8, 6
@@ -121,77 +124,71 @@ def test_prefill_then_decode_matches_full_forward(name: str) -> None:
     seq = rng.integers(0, m.cfg.vocab_size, size=(b, MAX_LEN))
     full = m.run_full(seq)
 
-    # Prefill: right-padded prompts (junk after each prompt), all rows from slot 0.
+    # Prefill: right-padded prompts (junk after each prompt), every row from slot 0.
     prompt = rng.integers(0, m.cfg.vocab_size, size=(b, BUCKET))
     for r, n in enumerate(PROMPT_LENS):
         prompt[r, :n] = seq[r, :n]
-    positions = np.broadcast_to(np.arange(BUCKET), (b, BUCKET))
-    cache = init_kv_cache(m.cfg, b, MAX_LEN, jnp.float32)
-    logits, cache = m.run_step(cache, prompt, positions, np.zeros(b, np.int32))
+    logits, cache = m.run_prefill(prompt)
     assert logits.shape == (b, BUCKET, m.cfg.vocab_size)
     assert logits.dtype == np.float32
     for r, n in enumerate(PROMPT_LENS):
         np.testing.assert_allclose(logits[r, :n], full[r, :n], atol=ATOL, rtol=RTOL)
 
-    # Decode one token per row per step; each row at its own position (ragged).
+    # Decode one token per row per step; each row at its own position (ragged). The junk
+    # K/V of the padding lies in each row's future and is overwritten before it is seen.
     for j in range(N_DECODE):
         pos = PROMPT_LENS + j
         tok = seq[np.arange(b), pos][:, None]
-        logits, cache = m.run_step(cache, tok, pos[:, None], pos)
+        logits, cache = m.run_extend(cache, tok, pos[:, None])
         assert logits.shape == (b, 1, m.cfg.vocab_size)
         np.testing.assert_allclose(
             logits[:, 0], full[np.arange(b), pos], atol=ATOL, rtol=RTOL, err_msg=f"step {j}"
         )
 
-    assert isinstance(cache, KVCache)
-    assert cache.n_layers == m.cfg.n_layers
-    assert cache.k[0].shape == (b, MAX_LEN, m.cfg.n_kv_heads, m.cfg.head_dim)
+    kernel = KERNELS[m.cfg.attention_impl]
+    assert len(cache) == m.cfg.n_layers
+    k, v = kernel.to_bskd(cache[0])
+    assert k.shape == v.shape == (b, MAX_LEN, m.cfg.n_kv_heads, m.cfg.head_dim)
 
 
-def test_ragged_chunked_prefill_matches_full_forward() -> None:
-    # Second chunk starts at a different slot per row (rewriting a slot with the same token
-    # at the same position is harmless): prefill may be split into chunks.
-    m = cached_model("rope-gqa-einsum")
+@pytest.mark.parametrize("name", ["rope-gqa-xla_cpu", "rope-gqa-reference"])
+def test_ragged_chunked_prefill_matches_full_forward(name: str) -> None:
+    """A second chunk extends the cache from a different slot per row (rewriting a slot
+    with the same token at the same position is harmless): prefill may come in chunks."""
+    m = cached_model(name)
     b, chunk = 3, 4
     rng = np.random.default_rng(2)
     seq = rng.integers(0, m.cfg.vocab_size, size=(b, MAX_LEN))
     full = m.run_full(seq)
-    cache = init_kv_cache(m.cfg, b, MAX_LEN)
-    first_pos = np.broadcast_to(np.arange(chunk), (b, chunk))
-    logits, cache = m.run_step(cache, seq[:, :chunk], first_pos, np.zeros(b, np.int32))
+    logits, cache = m.run_prefill(seq[:, :chunk])
     np.testing.assert_allclose(logits, full[:, :chunk], atol=ATOL, rtol=RTOL)
 
     starts = np.array([4, 2, 3])
     pos = starts[:, None] + np.arange(chunk)
     toks = np.take_along_axis(seq, pos, axis=1)
-    logits, cache = m.run_step(cache, toks, pos, starts)
+    logits, cache = m.run_extend(cache, toks, pos)
     np.testing.assert_allclose(
         logits, np.take_along_axis(full, pos[..., None], axis=1), atol=ATOL, rtol=RTOL
     )
 
 
-def test_init_kv_cache_layout_and_dtype() -> None:
-    cfg = tiny(n_layers=3, n_kv_heads=1)
-    cache = init_kv_cache(cfg, batch=2, max_len=5, dtype=jnp.bfloat16)
-    assert (cache.n_layers, cache.batch_size, cache.max_len) == (3, 2, 5)
-    assert len(cache.k) == len(cache.v) == 3
-    for a in (*cache.k, *cache.v):
-        assert a.shape == (2, 5, 1, cfg.head_dim)
-        assert a.dtype == jnp.bfloat16
-    # A pytree: tree ops see the 2 * n_layers buffers.
-    assert len(jax.tree.leaves(cache)) == 6
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_init_cache_layout_and_dtype(kernel: str) -> None:
+    cfg = tiny(n_layers=3, n_kv_heads=1, attention_impl=kernel)
+    model = Transformer(cfg, F32, rngs=nnx.Rngs(0))
+    cache = jax.eval_shape(lambda: model.init_cache(2, 5, jnp.bfloat16))
+    assert len(cache) == 3
+    for layer in cache:
+        k, v = jax.eval_shape(lambda c: KERNELS[kernel].to_bskd(c), layer)
+        assert k.shape == v.shape == (2, 5, 1, cfg.head_dim)
+        assert k.dtype == v.dtype == jnp.bfloat16
+    assert model.init_cache(1, 4)[0] is not None  # default: the compute dtype
 
 
-def test_cache_and_segment_ids_are_exclusive() -> None:
-    cfg = tiny(n_layers=1)
-    model = nnx.eval_shape(lambda: Transformer(cfg, F32, rngs=nnx.Rngs(0)))
-    graphdef, abstract = split_model(model)
-    cache = init_kv_cache(cfg, 1, 8)
-    t = jnp.zeros((1, 2), jnp.int32)
-    with pytest.raises(ValueError, match="segment_ids"):
-        jax.eval_shape(
-            lambda p: apply(graphdef, p, t, t, kv_cache=cache, cache_index=t[:, 0], segment_ids=t),
-            abstract,
-        )
-    with pytest.raises(ValueError, match="cache_index"):
-        jax.eval_shape(lambda p: apply(graphdef, p, t, t, kv_cache=cache), abstract)
+def test_a_cache_of_another_depth_is_refused() -> None:
+    cfg = tiny(n_layers=2)
+    model = Transformer(cfg, F32, rngs=nnx.Rngs(0))
+    cache = model.init_cache(1, 8)[:1]
+    t = jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="cache has 1 layers, model has 2"):
+        jax.eval_shape(lambda c: model.extend(t, t, c), cache)

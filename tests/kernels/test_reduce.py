@@ -1,4 +1,4 @@
-"""``reduce_last`` (two-stage last-axis reductions) equals the one-pass reduction."""
+"""``reduce_last`` in two stages (XLA:CPU's form) equals the one-pass reduction (the reference)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxlab.model.reduce import ReduceOp, lanes_for, reduce_last, softmax_last
+from jaxlab.kernels.reduce import ReduceOp, argmax_last, lanes_for, reduce_last, softmax_last
+from jaxlab.runtime import tuning
 
 #: Axis lengths with and without a chunk width: 8192 (the bench vocabulary, 256-wide
 #: chunks), 256 and 96 (narrower chunks), 16 and 300 (no split: one plain reduce).
@@ -20,7 +21,15 @@ SIZES = [16, 96, 256, 300, 8192]
 
 @functools.cache
 def jitted(op: ReduceOp):
-    return jax.jit(functools.partial(reduce_last, op=op))
+    """The two-stage form, whatever this platform's default."""
+    return jax.jit(functools.partial(reduce_last, op=op, two_stage=True))
+
+
+def test_the_cpu_takes_two_stages_and_accelerators_one():
+    assert tuning.tuning_for("cpu").two_stage_reductions
+    assert not tuning.tuning_for("tpu").two_stage_reductions
+    assert not tuning.tuning_for("gpu").two_stage_reductions
+    assert tuning.current() == tuning.tuning_for(jax.default_backend())
 
 
 def test_lanes_for_picks_the_widest_chunk_that_splits_the_axis():
@@ -73,7 +82,8 @@ def test_softmax_last_matches_jax_softmax_and_its_gradient(n: int):
     x = jnp.asarray(rng.normal(size=(3, n)).astype(np.float32) * 5)
     x = x.at[:, 1].set(-0.7 * float(jnp.finfo(jnp.float32).max))  # a masked logit
     g = jnp.asarray(rng.normal(size=(3, n)).astype(np.float32))
-    ours, ref = jax.jit(softmax_last)(x), jax.nn.softmax(x, axis=-1)
+    two_stage = functools.partial(softmax_last, two_stage=True)
+    ours, ref = jax.jit(two_stage)(x), jax.nn.softmax(x, axis=-1)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-7)
     assert float(ours[0, 1]) == 0.0
 
@@ -81,8 +91,17 @@ def test_softmax_last_matches_jax_softmax_and_its_gradient(n: int):
         return jax.jit(jax.grad(lambda x: jnp.sum(f(x) * g)))(x)
 
     np.testing.assert_allclose(
-        np.asarray(vjp(softmax_last)),
+        np.asarray(vjp(two_stage)),
         np.asarray(vjp(lambda x: jax.nn.softmax(x, axis=-1))),
         rtol=1e-4,
         atol=1e-6,
     )
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(n=st.sampled_from(SIZES), seed=st.integers(0, 2**31 - 1), two_stage=st.booleans())
+def test_argmax_last_is_the_first_index_of_the_maximum(n, seed, two_stage):
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.normal(size=(3, n)) * 2).astype(np.float32)  # many ties
+    got = jax.jit(functools.partial(argmax_last, two_stage=two_stage))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), x.argmax(axis=-1))
