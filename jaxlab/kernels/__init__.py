@@ -12,6 +12,8 @@ paged cache) is a new module here, not a change to the model.
 ``xla_cpu``    the reference's math in the layouts XLA:CPU compiles best: grouped
                head-major einsums, causal halves, a blocked kv-head-major cache
                (default on the CPU)
+``xla_tpu``    ``xla``'s sequence attention; a lane-dense ``[B, S, K * D]`` decode cache
+               read by one-hot-segmented dots, so no TPU tile is padded (default on TPU)
 =============  ==========================================================================
 
 ``auto`` is resolved once, when the model is built, from the JAX backend
@@ -26,12 +28,13 @@ from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache
 from jaxlab.kernels.reference import Reference
 from jaxlab.kernels.xla import Xla
 from jaxlab.kernels.xla_cpu import XlaCpu
+from jaxlab.kernels.xla_tpu import XlaTpu
 
 #: Every kernel, by the name ``model.attention_impl`` uses.
-KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (Reference(), Xla(), XlaCpu())}
+KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (Reference(), Xla(), XlaCpu(), XlaTpu())}
 
 #: What ``auto`` means on each JAX platform; any other platform gets ``xla``.
-AUTO = {"cpu": "xla_cpu"}
+AUTO = {"cpu": "xla_cpu", "tpu": "xla_tpu"}
 
 #: Older configs (before kernels existed) named the grouped einsum ``einsum``.
 ALIASES = {"einsum": "xla_cpu"}

@@ -29,7 +29,7 @@ from jaxlab.kernels.masks import MASK_VALUE, cache_mask, causal_mask, segment_ma
 from jaxlab.kernels.reference import attention
 
 SETTINGS = settings(max_examples=10, deadline=None, derandomize=True)
-FAST = ["xla", "xla_cpu"]
+FAST = ["xla", "xla_cpu", "xla_tpu"]
 REF = KERNELS["reference"]
 B, H, D = 3, 4, 8
 S = 96  # cache slots: the blocked layout splits it into 4 blocks of 24
@@ -232,10 +232,45 @@ def test_init_cache_is_zero_in_the_asked_dtype(name: str) -> None:
 
 def test_auto_picks_by_platform_and_old_names_still_resolve() -> None:
     assert kernels.resolve("auto", "cpu") == "xla_cpu"
-    assert kernels.resolve("auto", "tpu") == "xla"
+    assert kernels.resolve("auto", "tpu") == "xla_tpu"
     assert kernels.resolve("auto", "gpu") == "xla"
     assert kernels.resolve("einsum", "tpu") == "xla_cpu"  # a config written before kernels
     assert kernels.resolve("reference") == "reference"
     assert kernels.get("auto").name == kernels.resolve("auto", jax.default_backend())
     with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
         kernels.resolve("flash")
+
+
+LONG = 300  # prefix lengths 128, 256, 300: the switch over visible prefixes
+
+
+@functools.cache
+def long_ops(name: str):
+    kern = KERNELS[name]
+
+    def run(k0, v0, q, positions):
+        return kern.attend_cache(q, kern.fill(k0, v0, LONG), positions)
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("name", ["xla", "xla_tpu"])
+@SETTINGS
+@example(ends=[0, 127, 5], seed=0)  # the shortest prefix
+@example(ends=[128, 3, 3], seed=1)  # one row past it
+@example(ends=[LONG - 1, 0, 0], seed=2)  # the whole cache
+@given(
+    ends=st.lists(
+        st.sampled_from([0, 1, 126, 127, 128, 129, 255, 256, 257, LONG - 1]), min_size=B, max_size=B
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_reading_only_the_visible_prefix_equals_the_reference(name, ends, seed) -> None:
+    """Queries at positions around each prefix length: the kernels that read only the
+    leading slots some query can see give what attending over every slot gives."""
+    k0, v0 = normal(seed, B, LONG, 2, D), normal(seed + 1, B, LONG, 2, D)
+    q = normal(seed + 2, B, 1, H, D)
+    positions = jnp.asarray(ends, jnp.int32)[:, None]
+    got = long_ops(name)(k0, v0, q, positions)
+    want = long_ops("reference")(k0, v0, q, positions)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
