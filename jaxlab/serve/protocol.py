@@ -1,4 +1,5 @@
-"""Request bodies, their validation, and OpenAI-shaped error bodies.
+"""The wire format: request bodies and their validation, OpenAI-shaped response and error
+bodies.
 
 Two request schemas:
 
@@ -159,6 +160,34 @@ class CompletionBody(_Sampling):
                 )
 
 
+def completion_doc(
+    cid: str, created: int, model: str, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    """A ``text_completion`` with one choice (a whole answer, or one SSE chunk of it)."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_doc(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def models_doc(name: str) -> dict[str, Any]:
+    """``GET /v1/models``: the one served model."""
+    model = {"id": name, "object": "model", "created": 0, "owned_by": "jaxlab"}
+    return {"object": "list", "data": [model]}
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or :class:`ApiError` 400."""
     try:
@@ -195,7 +224,10 @@ __all__ = [
     "CompletionBody",
     "GenerateBody",
     "StreamOptions",
+    "completion_doc",
     "error_body",
+    "models_doc",
     "parse_json",
+    "usage_doc",
     "validate",
 ]
