@@ -14,6 +14,7 @@ Modules, bottom up:
 ``service``        load, warm up, serve, drain, stop; the engine thread
 ``protocol``       request bodies and OpenAI-shaped error bodies
 ``app``            Starlette routes: HTTP only, the one error -> status mapping
+``asgi``           the /v1 middleware (API key, request counter), body limit, SSE
 ``server``         uvicorn, signal-driven draining, a threaded server
 ``config``         the config ``jaxlab serve`` runs with
 ``loadgen``        the load generator of ``jaxlab bench serve``

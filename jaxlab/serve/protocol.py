@@ -9,7 +9,8 @@ Two request schemas:
   implement (``n > 1``, ``echo``, ``logprobs``, ``best_of``, ``suffix``, penalties,
   ``logit_bias``) are refused with 400 naming the parameter when set to a non-default.
 
-Every error body is ``{"error": {"message", "type", "param", "code"}}``.
+Every error body is ``{"error": {"message", "type", "param", "code"}}``. Nothing here
+knows the model, the scheduler or the domain errors (:mod:`jaxlab.serve.app` maps those).
 """
 
 from __future__ import annotations
