@@ -234,6 +234,8 @@ class ModelService:
             warmed = sched.warmup(should_stop=lambda: self._stop_requested)
             if warmed is not None:
                 self.scheduler = sched
+            else:  # cut short: never usable, so its group threads end here
+                sched.groups.close()
             if self._stop_requested:
                 lc.to(ModelState.STOPPED)
                 return

@@ -45,7 +45,7 @@ class Waiting:
     def __init__(self, max_queue: int, timeout_s: float) -> None:
         self.max_queue = max_queue
         self.timeout_s = timeout_s
-        self.cv = threading.Condition()
+        self._cv = threading.Condition()
         self._queue: deque[Entry] = deque()
         self._live: dict[int, Entry] = {}  # queued or running, for cancel()
         self._ids = itertools.count(1)
@@ -58,7 +58,7 @@ class Waiting:
 
     def put(self, request: Request, output: Output) -> Entry:
         """Queue a request; raises :class:`QueueFull` or :class:`NotAccepting`."""
-        with self.cv:
+        with self._cv:
             if not self.accepting:
                 raise NotAccepting("stopped" if self.stopped else "draining")
             if len(self._queue) >= self.max_queue:
@@ -66,16 +66,16 @@ class Waiting:
             entry = Entry(next(self._ids), request, output, time.perf_counter() + self.timeout_s)
             self._queue.append(entry)
             self._live[entry.id] = entry
-            self.cv.notify_all()
+            self._cv.notify_all()
         return entry
 
     def cancel(self, rid: int) -> None:
         """Flag request ``rid`` (queued or running) as cancelled; no-op once it ended."""
-        with self.cv:
+        with self._cv:
             entry = self._live.get(rid)
             if entry is not None:
                 entry.cancelled = True
-                self.cv.notify_all()
+                self._cv.notify_all()
 
     def expired(self, entry: Entry, now: float) -> ServeError | None:
         """Why ``entry`` must end now (cancelled, past its deadline), or None."""
@@ -90,7 +90,7 @@ class Waiting:
         taken out with their reason, and up to ``free`` to admit, in arrival order (none
         while paused)."""
         now = time.perf_counter()
-        with self.cv:
+        with self._cv:
             dropped: list[tuple[Entry, ServeError]] = []
             keep: deque[Entry] = deque()
             for entry in self._queue:
@@ -107,7 +107,7 @@ class Waiting:
 
     def end(self, entry: Entry) -> bool:
         """Mark ``entry`` finished (it cannot be cancelled any more); False if it was."""
-        with self.cv:
+        with self._cv:
             if entry.finished:
                 return False
             entry.finished = True
@@ -116,7 +116,7 @@ class Waiting:
 
     def drain_all(self) -> list[Entry]:
         """Take every queued request out (shutdown)."""
-        with self.cv:
+        with self._cv:
             out = list(self._queue)
             self._queue.clear()
         return out
@@ -129,20 +129,20 @@ class Waiting:
         stopped: bool | None = None,
     ) -> None:
         """Change the given flags and wake the engine thread."""
-        with self.cv:
+        with self._cv:
             self.accepting = self.accepting if accepting is None else accepting
             self.paused = self.paused if paused is None else paused
             self.stopped = self.stopped if stopped is None else stopped
-            self.cv.notify_all()
+            self._cv.notify_all()
 
     def sleep(self, timeout_s: float, free: bool) -> None:
         """Wait for news (a request, a cancel, a flag) for at most ``timeout_s``, unless a
         queued request could be admitted already (``free``: a slot is free) or the
         scheduler is stopping."""
-        with self.cv:
+        with self._cv:
             if self.stopped or (free and self._queue and not self.paused):
                 return
-            self.cv.wait(timeout=timeout_s)
+            self._cv.wait(timeout=timeout_s)
 
 
 __all__ = ["Entry", "Waiting"]
