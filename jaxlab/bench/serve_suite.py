@@ -38,6 +38,7 @@ from jaxlab.bench.suites import suite
 
 if TYPE_CHECKING:
     from jaxlab.config import JaxlabConfig
+    from jaxlab.serve import ServedModel
     from jaxlab.serve.loadgen import LoadResult
 
 URL_ENV = "SERVE_BENCH_URL"
@@ -68,12 +69,14 @@ def _serve_cfg(cfg: JaxlabConfig, slots: int, new_tokens: int) -> JaxlabConfig:
 
 @contextlib.contextmanager
 def _server(
-    engine: Any, cfg: JaxlabConfig, slots: int, new_tokens: int
+    model: ServedModel, cfg: JaxlabConfig, slots: int, new_tokens: int
 ) -> Iterator[tuple[str, int]]:
     """A ready in-process server: ``(url, decode groups it runs)``."""
     from jaxlab.serve import ModelService, ServerThread
 
-    service = ModelService.from_engine(engine, _serve_cfg(cfg, slots, new_tokens))
+    service = ModelService.from_engine(
+        model.engine, model.tokenizer, _serve_cfg(cfg, slots, new_tokens)
+    )
     srv = ServerThread(service).start()
     try:
         srv.wait_ready(timeout_s=1800)
@@ -129,12 +132,14 @@ def _records(
             yield ctx.record(metric, "s", samples, case=case)
 
 
-def _engine(cfg: JaxlabConfig) -> Any:
+def _model(cfg: JaxlabConfig) -> ServedModel:
+    """A randomly initialised model of ``cfg.model`` and the tokenizer to serve it with."""
     from jaxlab.infer.engine import Engine
+    from jaxlab.serve import ServedModel
     from jaxlab.tokenizer import Tokenizer, byte_tokenizer
 
     tok = Tokenizer.load(cfg.tokenizer.path) if cfg.tokenizer.path else byte_tokenizer()
-    return Engine.from_config(cfg, seed=0, tokenizer=tok)
+    return ServedModel(Engine.from_config(cfg, seed=0), tok)
 
 
 @suite("serve", description="HTTP serving under load: concurrency sweep, Poisson, slots vs 1")
@@ -155,7 +160,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
     def run(url: str, n: int, concurrency: int, seed: int, temperature: float = 0.0) -> LoadResult:
         return closed_loop(url, bodies(n, seed, temperature), concurrency, api_key=api_key)
 
-    engine = None if external else _engine(cfg)
+    served = None if external else _model(cfg)
     groups: dict[int, int] = {}  # slots -> the server's decode groups (in-process only)
     with contextlib.ExitStack() as stack:
 
@@ -163,7 +168,8 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
             if external:
                 return external
             ctx.status(f"starting a {slots}-slot server (warm-up compiles every bucket)")
-            url, groups[slots] = stack.enter_context(_server(engine, cfg, slots, new))
+            assert served is not None
+            url, groups[slots] = stack.enter_context(_server(served, cfg, slots, new))
             run(url, min(4, slots), min(4, slots), seed=999)  # untimed
             return url
 
@@ -195,9 +201,9 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
 
         # ---- the comparison: the same requests against 16 slots and 1 slot, interleaved
         urls = {SWEEP_SLOTS: url, 1: start(1)}
-        # Six waves of the 16-slot server per round (about 2.5 s here). With 48 requests
-        # its round lasted about 1.3 s against the 1-slot side's 5.5 s, so one stall of
-        # the shared VM moved a round's ratio by several percent.
+        # Six waves of the 16-slot server per round: with fewer, its round is so short next
+        # to the 1-slot side's that one stall of a shared VM moves the round's ratio by
+        # several percent (docs/serving.md, "Load benchmark").
         n = 32 if ctx.quick else COMPARE_REQUESTS
         plans = [
             ("temperature=0.8", 0.8, 1 if ctx.quick else 2),

@@ -37,7 +37,10 @@ def _request(url: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
 def serve_smoke(run_dir: Path, cfg: JaxlabConfig, *, requests: int = 8) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from jaxlab.infer.engine import Engine, Request
+    from jaxlab.infer.engine import Engine
+    from jaxlab.infer.load import load_run
+    from jaxlab.infer.offline import generate
+    from jaxlab.infer.request import Request
     from jaxlab.infer.sampling import SamplingParams
     from jaxlab.serve import ModelService, ServerThread
 
@@ -64,15 +67,20 @@ def serve_smoke(run_dir: Path, cfg: JaxlabConfig, *, requests: int = 8) -> dict[
         raise SmokeFailed(f"/ready {ready}, completions statuses {statuses}")
     texts = [json.loads(text)["choices"][0]["text"] for _, text in answers]
 
-    engine = Engine.from_run_dir(run_dir, cfg=serve_cfg)
-    offline = engine.generate(
+    run = load_run(run_dir, cfg=serve_cfg)
+    engine = Engine(run.graphdef, run.params, run.cfg)
+    tok = run.tokenizer
+    offline = generate(
+        engine,
         [
-            Request(
-                b["prompt"],
+            Request.create(
+                tok.encode(b["prompt"]),
                 SamplingParams(max_new_tokens=12, temperature=b["temperature"], seed=b["seed"]),
+                engine.limits(tok.eot_id),
             )
             for b in bodies
-        ]
+        ],
+        tokenizer=tok,
     )
     mismatched = [i for i, (t, r) in enumerate(zip(texts, offline, strict=True)) if t != r.text]
     if mismatched:

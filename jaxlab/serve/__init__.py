@@ -1,51 +1,71 @@
 """jaxlab.serve: continuous-batching HTTP serving of a trained run (docs/serving.md).
 
-Layers, bottom up: :mod:`~jaxlab.serve.lifecycle` (the model state machine),
-:mod:`~jaxlab.serve.metrics` (Prometheus, own registry), :mod:`~jaxlab.serve.text`
-(incremental detokenisation and stop strings), :mod:`~jaxlab.serve.scheduler` (slots,
-queue and the decode loop on the engine thread), :mod:`~jaxlab.serve.service` (load, warm
-up, drain), :mod:`~jaxlab.serve.app` (Starlette routes) and :mod:`~jaxlab.serve.server`
-(uvicorn, signal-driven draining, a threaded server for tests and benchmarks).
+Modules, bottom up:
+
+=================  ===================================================================
+``errors``         domain errors (queue full, not accepting, timeout, ...): no HTTP
+``lifecycle``      the model's state machine (loading, warming, ready, draining, ...)
+``metrics``        Prometheus metrics on the server's own registry
+``policy``         pure scheduling decisions: admission sizes, slot choice, slot groups
+``slots``          slot groups: the decode states and the threads that drive them
+``waiting``        the bounded, thread-safe waiting queue; cancellation and deadlines
+``scheduler``      admission and the decode loop over the engine's verbs
+``output``         one request's text, stop strings, timings, metrics and events
+``service``        load, warm up, serve, drain, stop; the engine thread
+``protocol``       request bodies and OpenAI-shaped error bodies
+``app``            Starlette routes: HTTP only, the one error -> status mapping
+``asgi``           the /v1 middleware (API key, request counter), body limit, SSE
+``server``         uvicorn, signal-driven draining, a threaded server
+``config``         the config ``jaxlab serve`` runs with
+``loadgen``        the load generator of ``jaxlab bench serve``
+=================  ===================================================================
 
 Importing this package does not import jax; the engine thread does, when it loads.
 """
 
-from jaxlab.serve.app import create_app
+from jaxlab.serve.app import api_error, create_app
 from jaxlab.serve.config import SERVE_SECTIONS, serve_config
-from jaxlab.serve.lifecycle import IllegalTransition, Lifecycle, ModelState
-from jaxlab.serve.metrics import ServeMetrics
-from jaxlab.serve.protocol import ApiError
-from jaxlab.serve.scheduler import (
-    Event,
-    GenRequest,
+from jaxlab.serve.errors import (
+    Cancelled,
+    EngineFailure,
     NotAccepting,
     QueueFull,
-    RequestHandle,
-    Scheduler,
+    RequestTimeout,
     ServeError,
+    ShuttingDown,
 )
+from jaxlab.serve.lifecycle import IllegalTransition, Lifecycle, ModelState
+from jaxlab.serve.metrics import ServeMetrics
+from jaxlab.serve.output import Event, RequestStream
+from jaxlab.serve.protocol import ApiError
+from jaxlab.serve.scheduler import Output, Scheduler
 from jaxlab.serve.server import ServeResult, ServerThread, run_server
-from jaxlab.serve.service import ModelService, run_dir_loader
-from jaxlab.tokenizer.detok import Detokenizer as TextAssembler
+from jaxlab.serve.service import ModelLoader, ModelService, ServedModel, run_dir_loader
 
 __all__ = [
     "SERVE_SECTIONS",
     "ApiError",
+    "Cancelled",
+    "EngineFailure",
     "Event",
-    "GenRequest",
     "IllegalTransition",
     "Lifecycle",
+    "ModelLoader",
     "ModelService",
     "ModelState",
     "NotAccepting",
+    "Output",
     "QueueFull",
-    "RequestHandle",
+    "RequestStream",
+    "RequestTimeout",
     "Scheduler",
     "ServeError",
     "ServeMetrics",
     "ServeResult",
+    "ServedModel",
     "ServerThread",
-    "TextAssembler",
+    "ShuttingDown",
+    "api_error",
     "create_app",
     "run_dir_loader",
     "run_server",

@@ -1,4 +1,4 @@
-"""The Starlette application: routes, auth, body limits, errors, SSE streaming.
+"""The Starlette application: the routes, and the one mapping of errors to HTTP statuses.
 
 Routes::
 
@@ -9,156 +9,102 @@ Routes::
     POST /v1/generate      native: text, token ids and timings
     POST /v1/completions   OpenAI-compatible subset, ``stream`` = SSE
 
-Every error is JSON ``{"error": {"message", "type", "param", "code"}}``; a client mistake
-is never a 500 (a catch-all still answers JSON for real bugs).
+HTTP only (its ASGI plumbing is :mod:`jaxlab.serve.asgi`): the service (:mod:`jaxlab.serve.service`) checks and queues requests, and
+their :class:`~jaxlab.serve.output.RequestStream` delivers the results. This module is the
+one place that maps errors to HTTP statuses (:func:`api_error`): the domain errors of
+:mod:`jaxlab.serve.errors` and the request errors of ``Request.create``. Every error is
+JSON ``{"error": {"message", "type", "param", "code"}}``; a client mistake is never a 500
+(a catch-all still answers JSON for real bugs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import math
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jaxlab.serve.asgi import (
+    CLIENT_GONE,
+    OUTCOME_KEY,
+    SSE_DONE,
+    ClientGone,
+    SSEResponse,
+    V1Middleware,
+    error_response,
+    read_body,
+    sse,
+    until_disconnect,
+)
+from jaxlab.serve.errors import (
+    Cancelled,
+    NotAccepting,
+    QueueFull,
+    RequestTimeout,
+    ServeError,
+    ShuttingDown,
+)
 from jaxlab.serve.lifecycle import ModelState
+from jaxlab.serve.output import Event, RequestStream
 from jaxlab.serve.protocol import (
     MAX_SEED,
     ApiError,
     CompletionBody,
     GenerateBody,
     _Sampling,
+    completion_doc,
     error_body,
+    models_doc,
     parse_json,
+    usage_doc,
     validate,
 )
-from jaxlab.serve.scheduler import Event, GenRequest, RequestHandle, ServeError
 from jaxlab.serve.service import ModelService
+
+if TYPE_CHECKING:
+    from jaxlab.infer.request import Request
 
 log = logging.getLogger("jaxlab.serve")
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-#: Paths counted in ``jaxlab_requests_total{status}``.
-GENERATION_PATHS = frozenset({"/v1/generate", "/v1/completions"})
-#: Set on the ASGI scope when a stream ended badly after its 200 header was sent.
-OUTCOME_KEY = "jaxlab.outcome"
-CLIENT_GONE = 499
+Handler = Callable[[HttpRequest], Awaitable[Response]]
 
 
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def api_error(e: Exception) -> ApiError:
+    """The HTTP answer to a domain or request error (the module docstring's one place)."""
+    if isinstance(e, ServeError):
+        if isinstance(e, QueueFull):
+            return ApiError(503, e.message, code="queue_full", headers={"Retry-After": "1"})
+        if isinstance(e, NotAccepting):
+            code = "draining" if e.state == ModelState.DRAINING else "not_ready"
+            return ApiError(503, e.message, code=code, headers={"Retry-After": "5"})
+        if isinstance(e, ShuttingDown):
+            return ApiError(503, e.message, code="shutting_down")
+        if isinstance(e, RequestTimeout):
+            return ApiError(504, e.message, code="timeout")
+        if isinstance(e, Cancelled):
+            return ApiError(CLIENT_GONE, e.message, code="cancelled")
+        return ApiError(500, e.message, code="internal_error")  # EngineFailure
+    # Only a loaded model raises these, so jax is imported by now.
+    from jaxlab.infer.request import RequestError, RequestTooLong
+
+    if isinstance(e, RequestTooLong):
+        return ApiError(400, str(e), param=e.param, code="context_length_exceeded")
+    if isinstance(e, RequestError):
+        return ApiError(400, str(e), param=e.param, code="invalid_request")
+    raise e
 
 
-def _from_serve_error(e: ServeError) -> ApiError:
-    headers = {}
-    if e.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-    return ApiError(e.status, e.message, code=e.code, headers=headers)
-
-
-# ----------------------------------------------------------------------------- middleware
-
-
-class V1Middleware:
-    """API-key check for ``/v1/*`` and the per-status request counter (pure ASGI)."""
-
-    def __init__(self, app: ASGIApp, service: ModelService) -> None:
-        self.app = app
-        self.service = service
-        key = service.serve_cfg.api_key
-        self._key = key.get_secret_value().encode() if key is not None else None
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self._key is None:
-            return True
-        auth = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        counted = scope["path"] in GENERATION_PATHS and scope["method"] == "POST"
-        status: dict[str, int] = {}
-
-        async def send_status(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            if not self._authorized(scope):
-                err = ApiError(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <serve.api_key>'",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await _error_response(err)(scope, receive, send_status)
-                return
-            await self.app(scope, receive, send_status)
-        finally:
-            if counted:
-                code = scope.get(OUTCOME_KEY) or status.get("code", 500)
-                self.service.metrics.requests.labels(status=str(code)).inc()
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 if it is (or claims to be) over ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            n = int(declared)
-        except ValueError:
-            raise ApiError(400, "invalid Content-Length header", code="invalid_header") from None
-        if n > limit:
-            raise ApiError(
-                413,
-                f"request body of {n} bytes exceeds serve.max_body_bytes = {limit}",
-                code="request_too_large",
-            )
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(
-                413,
-                f"request body exceeds serve.max_body_bytes = {limit}",
-                code="request_too_large",
-            )
-    return bytes(body)
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
-
-
-async def _next_event(h: RequestHandle, watcher: asyncio.Future[None], timeout_s: float) -> Event:
+async def _next_event(h: RequestStream, watcher: asyncio.Future[None], timeout_s: float) -> Event:
     """The next event of ``h``; :class:`ClientGone` if the client leaves first."""
     get = asyncio.ensure_future(h.next())
     done, _ = await asyncio.wait(
@@ -174,33 +120,6 @@ async def _next_event(h: RequestHandle, watcher: asyncio.Future[None], timeout_s
     raise ApiError(504, "request timed out", code="timeout")
 
 
-class SSEResponse(StreamingResponse):
-    """A streaming response that runs ``on_close`` however the stream ends."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def sse(data: Any) -> str:
-    import json
-
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
 # ----------------------------------------------------------------------------- the app
 
 
@@ -214,10 +133,10 @@ class ServeApp:
 
     # ---------------------------------------------------------------- plain routes
 
-    async def health(self, request: Request) -> Response:
+    async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "state": str(self.service.state)})
 
-    async def ready(self, request: Request) -> Response:
+    async def ready(self, request: HttpRequest) -> Response:
         info = self.service.info()
         ok = self.service.state == ModelState.READY
         body = {"ready": ok, **info}
@@ -225,42 +144,21 @@ class ServeApp:
             body["error"] = self.service.lifecycle.error
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    async def metrics(self, request: Request) -> Response:
+    async def metrics(self, request: HttpRequest) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(self.service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def models(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.service.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "jaxlab",
-                    }
-                ],
-            }
-        )
+    async def models(self, request: HttpRequest) -> Response:
+        return JSONResponse(models_doc(self.service.model_name))
 
     # ---------------------------------------------------------------- generation
 
-    def _request(self, prompt: str, p: _Sampling) -> tuple[GenRequest, int]:
-        from jaxlab.infer.engine import BadRequest, RequestTooLong
+    def _request(self, prompt: str, p: _Sampling) -> tuple[Request, int]:
+        """The checked request for ``prompt`` with the body's sampling (server defaults
+        for what it leaves out), and its seed."""
         from jaxlab.infer.sampling import SamplingParams
 
-        engine = self.service.engine
-        if engine is None or self.service.state != ModelState.READY:
-            raise _from_serve_error(
-                ServeError(
-                    503,
-                    f"the model is not ready (state: {self.service.state})",
-                    code="draining" if self.service.state == ModelState.DRAINING else "not_ready",
-                    retry_after_s=5.0,
-                )
-            )
         limit = self.cfg.max_tokens_limit
         max_tokens = (
             p.max_tokens if p.max_tokens is not None else min(self.inf.max_new_tokens, limit)
@@ -281,30 +179,23 @@ class ServeApp:
             seed=seed,
             ignore_eos=p.ignore_eos,
         )
-        ids = engine.encode(prompt)
         try:
-            engine.check_request(ids, sampling)
-        except RequestTooLong as e:
-            raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
-        except BadRequest as e:
-            raise ApiError(400, str(e), code="invalid_request") from None
-        return GenRequest(ids, sampling, p.stop_strings()), seed
+            return self.service.request(prompt, sampling, p.stop_strings()), seed
+        except (ServeError, ValueError) as e:  # RequestError is a ValueError
+            raise api_error(e) from None
 
-    def _submit(self, req: GenRequest, stream: bool) -> RequestHandle:
-        try:
-            return self.service.submit(req, loop=asyncio.get_running_loop(), stream=stream)
-        except ServeError as e:
-            raise _from_serve_error(e) from None
+    def _submit(self, req: Request, stream: bool) -> RequestStream:
+        return self.service.submit(req, loop=asyncio.get_running_loop(), stream=stream)
 
     def _deadline_s(self) -> float:
         return self.cfg.request_timeout_s + 5.0
 
-    async def _complete(self, request: Request, req: GenRequest) -> RequestHandle | None:
+    async def _complete(self, request: HttpRequest, req: Request) -> RequestStream | None:
         """Run ``req`` to its end (non-streaming): the finished handle, or None when the
         client left first (the request is cancelled). A failed request raises its API error.
         """
         h = self._submit(req, stream=False)
-        watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+        watcher = asyncio.ensure_future(until_disconnect(request.receive))
         try:
             t_end = time.perf_counter() + self._deadline_s()
             while True:
@@ -319,17 +210,18 @@ class ServeApp:
             watcher.cancel()
         if ev.kind == "error":
             assert ev.error is not None
-            raise _from_serve_error(ev.error)
+            raise api_error(ev.error)
         return h
 
-    async def generate(self, request: Request) -> Response:
+    async def generate(self, request: HttpRequest) -> Response:
         body = validate(GenerateBody, parse_json(await read_body(request, self.cfg.max_body_bytes)))
         req, seed = self._request(body.prompt, body)
         h = await self._complete(request, req)
         if h is None:
             return Response(status_code=CLIENT_GONE)
-        eng = self.service.engine
-        assert eng is not None
+        model = self.service.model
+        assert model is not None
+        eng = model.engine
         return JSONResponse(
             {
                 "text": h.output_text,
@@ -345,13 +237,13 @@ class ServeApp:
                 "queue_s": h.queue_s,
                 "seed": seed,
                 "model": self.service.model_name,
-                "checkpoint_step": eng.checkpoint_step,
+                "checkpoint_step": model.checkpoint_step,
                 "platform": eng.platform,
                 "precision": eng.precision,
             }
         )
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: HttpRequest) -> Response:
         body = validate(
             CompletionBody, parse_json(await read_body(request, self.cfg.max_body_bytes))
         )
@@ -366,23 +258,13 @@ class ServeApp:
         body.check_supported()
         prompt = body.single_prompt()
         req, _ = self._request(prompt, body)
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        name = self.service.model_name
-        n_prompt = len(req.prompt_ids)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def usage(h: RequestHandle) -> dict[str, int]:
-            n = len(h.token_ids)
-            return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+        def usage(h: RequestStream) -> dict[str, int]:
+            return usage_doc(len(req.prompt_ids), len(h.token_ids))
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            }
+            return completion_doc(cid, created, self.service.model_name, text, finish)
 
         if not body.stream:
             h = await self._complete(request, req)
@@ -396,7 +278,7 @@ class ServeApp:
         h = self._submit(req, stream=True)
         # Wait for the first event before sending the 200 header, so that an error while
         # queued (timeout, shutdown) is still a real HTTP status.
-        watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+        watcher = asyncio.ensure_future(until_disconnect(request.receive))
         try:
             first = await _next_event(h, watcher, self._deadline_s())
         except ClientGone:
@@ -406,7 +288,7 @@ class ServeApp:
             watcher.cancel()
         if first.kind == "error":
             assert first.error is not None
-            raise _from_serve_error(first.error)
+            raise api_error(first.error)
         scope = request.scope
 
         async def events() -> AsyncIterator[str]:
@@ -424,8 +306,9 @@ class ServeApp:
                     return
                 else:
                     assert ev.error is not None
-                    scope[OUTCOME_KEY] = ev.error.status
-                    yield sse(error_body(ev.error.status, ev.error.message, code=ev.error.code))
+                    err = api_error(ev.error)
+                    scope[OUTCOME_KEY] = err.status
+                    yield sse(err.body())
                     yield SSE_DONE
                     return
                 try:
@@ -448,12 +331,16 @@ class ServeApp:
 # ----------------------------------------------------------------------------- errors
 
 
-async def _api_error(request: Request, exc: Exception) -> Response:
+async def _api_error(request: HttpRequest, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return _error_response(exc)
+    return error_response(exc)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
+async def _serve_error(request: HttpRequest, exc: Exception) -> Response:
+    return error_response(api_error(exc))
+
+
+async def _http_error(request: HttpRequest, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return JSONResponse(
@@ -463,7 +350,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     )
 
 
-async def _internal_error(request: Request, exc: Exception) -> Response:
+async def _internal_error(request: HttpRequest, exc: Exception) -> Response:
     log.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
     return JSONResponse(
         error_body(500, f"internal server error: {type(exc).__name__}", code="internal_error"),
@@ -477,6 +364,8 @@ def create_app(service: ModelService, *, manage_service: bool = True) -> Starlet
     from starlette.middleware import Middleware
 
     h = ServeApp(service)
+    key = service.serve_cfg.api_key
+    api_key = key.get_secret_value() if key is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -498,9 +387,10 @@ def create_app(service: ModelService, *, manage_service: bool = True) -> Starlet
     ]
     app = Starlette(
         routes=[Route(path, fn, methods=methods) for path, fn, methods in routes],
-        middleware=[Middleware(V1Middleware, service=service)],
+        middleware=[Middleware(V1Middleware, api_key=api_key, metrics=service.metrics)],
         exception_handlers={
             ApiError: _api_error,
+            ServeError: _serve_error,
             HTTPException: _http_error,
             Exception: _internal_error,
         },
@@ -510,4 +400,4 @@ def create_app(service: ModelService, *, manage_service: bool = True) -> Starlet
     return app
 
 
-__all__ = ["GENERATION_PATHS", "ServeApp", "V1Middleware", "create_app", "read_body"]
+__all__ = ["ServeApp", "api_error", "create_app"]

@@ -4,7 +4,8 @@ The model, tokenizer and training sections come from the run directory (they mus
 the checkpoint). ``serve.*``, ``inference.*`` and ``runtime.*`` take, lowest to highest:
 the run's ``config.toml``, ``JAXLAB_<SECTION>__<FIELD>`` environment variables (e.g.
 ``JAXLAB_SERVE__API_KEY``), ``--set section.field=value``, then the explicit CLI flags
-(``--host``, ``--port``, ``--slots``). Import-light: no jax.
+(``--host``, ``--port``, ``--slots``). It only resolves the config: nothing here loads
+or serves. Import-light: no jax.
 """
 
 from __future__ import annotations

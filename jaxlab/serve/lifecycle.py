@@ -9,7 +9,8 @@
 ``loading`` and ``warming`` may also go straight to ``stopped`` (a shutdown before the
 model was ready). ``stopped`` and ``failed`` are terminal. Any other transition raises
 :class:`IllegalTransition`. ``/ready`` answers 200 only in ``ready``; the
-``jaxlab_model_state`` gauge is 1 for the current state and 0 for the others.
+``jaxlab_model_state`` gauge is 1 for the current state and 0 for the others. It holds
+no model and starts no thread: the service (:mod:`jaxlab.serve.service`) drives it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Prometheus metrics of one server, on its own ``CollectorRegistry`` (never the global one).
 
-Names follow vLLM's (prefix ``jaxlab_``). Histograms are observed once per finished
-request by the scheduler thread; ``jaxlab_requests_total{status}`` by the HTTP layer (one
+Names follow vLLM's (prefix ``jaxlab_``). The per-request histograms and token counters
+are observed by each request's output (:mod:`jaxlab.serve.output`, on the engine thread),
+the gauges by the scheduler; ``jaxlab_requests_total{status}`` by the HTTP layer (one
 increment per ``/v1/generate`` or ``/v1/completions`` request, labelled with the status
 it answered); ``jaxlab_compilations_total{function}`` is read from the engine's compile
-counters at scrape time.
+counters at scrape time. This module defines and renders the metrics; it measures nothing.
 """
 
 from __future__ import annotations

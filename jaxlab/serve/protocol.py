@@ -1,4 +1,5 @@
-"""Request bodies, their validation, and OpenAI-shaped error bodies.
+"""The wire format: request bodies and their validation, OpenAI-shaped response and error
+bodies.
 
 Two request schemas:
 
@@ -8,7 +9,8 @@ Two request schemas:
   implement (``n > 1``, ``echo``, ``logprobs``, ``best_of``, ``suffix``, penalties,
   ``logit_bias``) are refused with 400 naming the parameter when set to a non-default.
 
-Every error body is ``{"error": {"message", "type", "param", "code"}}``.
+Every error body is ``{"error": {"message", "type", "param", "code"}}``. Nothing here
+knows the model, the scheduler or the domain errors (:mod:`jaxlab.serve.app` maps those).
 """
 
 from __future__ import annotations
@@ -159,6 +161,34 @@ class CompletionBody(_Sampling):
                 )
 
 
+def completion_doc(
+    cid: str, created: int, model: str, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    """A ``text_completion`` with one choice (a whole answer, or one SSE chunk of it)."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_doc(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def models_doc(name: str) -> dict[str, Any]:
+    """``GET /v1/models``: the one served model."""
+    model = {"id": name, "object": "model", "created": 0, "owned_by": "jaxlab"}
+    return {"object": "list", "data": [model]}
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or :class:`ApiError` 400."""
     try:
@@ -195,7 +225,10 @@ __all__ = [
     "CompletionBody",
     "GenerateBody",
     "StreamOptions",
+    "completion_doc",
     "error_body",
+    "models_doc",
     "parse_json",
+    "usage_doc",
     "validate",
 ]

@@ -7,6 +7,8 @@ listening socket stays open, in-flight requests (queued and running) finish with
 shutdown stops the engine thread, ``draining -> stopped``). A second signal during the drain
 cuts it short: uvicorn stops waiting for connections, and requests still in flight fail. A
 signal after the drain is over changes nothing: the shutdown is already under way.
+
+It knows no requests and no model: the app (:mod:`jaxlab.serve.app`) and the service do.
 """
 
 from __future__ import annotations

@@ -1,9 +1,17 @@
-"""The model service: lifecycle, the engine thread, the scheduler, the metrics.
+"""The model service: the lifecycle, and the engine thread that loads, warms and serves.
 
 :class:`ModelService` is what the HTTP app talks to. ``start()`` spawns the engine
-thread, which loads the model (``loading``), warms every compiled function
-(``warming``), turns ``ready`` and then runs the scheduler loop until ``stop()``.
-``drain()`` stops admission (``draining``) and waits for in-flight requests.
+thread, which loads the model (``loading``: :func:`~jaxlab.infer.load.load_run` and an
+:class:`~jaxlab.infer.engine.Engine`, or a :class:`ServedModel` built elsewhere), builds
+the :class:`~jaxlab.serve.scheduler.Scheduler` and warms it (``warming``), turns ``ready``
+and runs the scheduler loop until ``stop()``. ``drain()`` stops admission (``draining``)
+and waits for the requests in flight.
+
+Requests enter through :meth:`ModelService.request` (text -> a checked
+:class:`~jaxlab.infer.request.Request`: the one place a request is checked) and
+:meth:`ModelService.submit` (queued, with its :class:`~jaxlab.serve.output.RequestStream`).
+The service raises domain errors (:mod:`jaxlab.serve.errors`, ``RequestError``); it knows
+no HTTP status codes.
 """
 
 from __future__ import annotations
@@ -14,27 +22,39 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxlab.serve.errors import NotAccepting
 from jaxlab.serve.lifecycle import Lifecycle, ModelState
 from jaxlab.serve.metrics import ServeMetrics
-from jaxlab.serve.scheduler import (
-    GenRequest,
-    NotAccepting,
-    RequestHandle,
-    Scheduler,
-    decode_groups_for,
-)
+from jaxlab.serve.output import RequestStream
+from jaxlab.serve.policy import decode_groups_for
+from jaxlab.serve.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from jaxlab.config import JaxlabConfig
     from jaxlab.infer.engine import Engine
+    from jaxlab.infer.request import Limits, Request
+    from jaxlab.infer.sampling import SamplingParams
+    from jaxlab.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxlab.serve")
 
-EngineLoader = Callable[[], "Engine"]
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a service serves: the engine, the tokenizer of its text, and the checkpoint
+    step it came from (None: not from a checkpoint)."""
+
+    engine: Engine
+    tokenizer: Tokenizer
+    checkpoint_step: int | None = None
+
+
+ModelLoader = Callable[[], ServedModel]
 
 # Services in this process whose startup heap is frozen (see :func:`_freeze_startup_heap`).
 _frozen_services = 0
@@ -44,13 +64,13 @@ _frozen_lock = threading.Lock()
 def _freeze_startup_heap() -> None:
     """Collect once, then move every live object into the collector's permanent generation.
 
-    A warmed server holds about 400k GC-tracked objects (jax's tracing and compile caches,
-    flax modules, the tokenizer), all alive for the life of the process. Every full
-    (generation-2) collection walks them all: measured on bench-small, 205-240 ms with the
-    engine thread and the event loop both stopped (it holds the GIL), which lands as a
-    200+ ms stall in someone's TTFT. Frozen, a full collection walks only what was
-    allocated since (0.0 ms right after the freeze). Objects that die later by reference
-    counting are still freed; only cyclic garbage among the frozen objects is kept.
+    A warmed server holds hundreds of thousands of GC-tracked objects (jax's tracing and
+    compile caches, flax modules, the tokenizer), all alive for the life of the process.
+    Every full (generation-2) collection walks them all with the GIL held, so the engine
+    thread and the event loop both stop, and the stall lands in someone's TTFT
+    (``docs/serving.md``). Frozen, a full collection walks only what was allocated since.
+    Objects that die later by reference counting are still freed; only cyclic garbage
+    among the frozen objects is kept.
     """
     global _frozen_services
     with _frozen_lock:
@@ -69,13 +89,15 @@ def _thaw_startup_heap() -> None:
             gc.unfreeze()
 
 
-def run_dir_loader(run_dir: str | Path, step: int | None, cfg: JaxlabConfig) -> EngineLoader:
+def run_dir_loader(run_dir: str | Path, step: int | None, cfg: JaxlabConfig) -> ModelLoader:
     """A loader restoring ``step`` (None = latest) of a run with ``cfg``'s inference section."""
 
-    def load() -> Engine:
+    def load() -> ServedModel:
         from jaxlab.infer.engine import Engine
+        from jaxlab.infer.load import load_run
 
-        return Engine.from_run_dir(run_dir, step, cfg=cfg)
+        run = load_run(run_dir, step, cfg=cfg)
+        return ServedModel(Engine(run.graphdef, run.params, run.cfg), run.tokenizer, run.step)
 
     return load
 
@@ -85,12 +107,12 @@ class ModelService:
 
     Args:
       cfg: the resolved config (``serve`` and ``inference`` sections are used).
-      load: builds the :class:`~jaxlab.infer.engine.Engine` (on the engine thread).
+      load: builds the :class:`ServedModel` (on the engine thread).
       metrics: a fresh :class:`ServeMetrics` (own registry) by default.
     """
 
     def __init__(
-        self, cfg: JaxlabConfig, load: EngineLoader, *, metrics: ServeMetrics | None = None
+        self, cfg: JaxlabConfig, load: ModelLoader, *, metrics: ServeMetrics | None = None
     ) -> None:
         self.cfg = cfg
         self.serve_cfg = cfg.serve
@@ -99,8 +121,9 @@ class ModelService:
         self.lifecycle = Lifecycle()
         self.lifecycle.add_listener(lambda old, new: self.metrics.set_state(new))
         self.lifecycle.add_listener(self._log_change)
-        self.engine: Engine | None = None
+        self.model: ServedModel | None = None
         self.scheduler: Scheduler | None = None
+        self._limits: Limits | None = None
         self.load_s: float | None = None
         self.chunk_delay_s = 0.0
         self._thread: threading.Thread | None = None
@@ -115,9 +138,17 @@ class ModelService:
         return cls(cfg, run_dir_loader(run_dir, step, cfg))
 
     @classmethod
-    def from_engine(cls, engine: Engine, cfg: JaxlabConfig | None = None) -> ModelService:
-        """Serve an already loaded engine (its compiled executables are reused)."""
-        return cls(cfg or engine.cfg, lambda: engine)
+    def from_engine(
+        cls,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        cfg: JaxlabConfig | None = None,
+        *,
+        checkpoint_step: int | None = None,
+    ) -> ModelService:
+        """Serve an already built engine (its compiled executables are reused)."""
+        model = ServedModel(engine, tokenizer, checkpoint_step)
+        return cls(cfg or engine.cfg, lambda: model)
 
     # ------------------------------------------------------------------ facts
 
@@ -129,12 +160,16 @@ class ModelService:
     def model_name(self) -> str:
         return self.serve_cfg.model_name
 
+    @property
+    def engine(self) -> Engine | None:
+        return self.model.engine if self.model is not None else None
+
     def info(self) -> dict[str, Any]:
         eng = self.engine
         return {
             "model": self.model_name,
             "state": str(self.state),
-            "checkpoint_step": eng.checkpoint_step if eng is not None else None,
+            "checkpoint_step": self.model.checkpoint_step if self.model is not None else None,
             "platform": eng.platform if eng is not None else None,
             "precision": eng.precision if eng is not None else None,
             "slots": self.serve_cfg.slots,
@@ -169,9 +204,11 @@ class ModelService:
         try:
             lc.to(ModelState.LOADING)
             t0 = time.perf_counter()
-            engine = self._load()
+            model = self._load()
             self.load_s = time.perf_counter() - t0
-            self.engine = engine
+            engine = model.engine
+            self._limits = engine.limits(model.tokenizer.eot_id)
+            self.model = model
             if self._stop_requested:
                 lc.to(ModelState.STOPPED)
                 return
@@ -197,6 +234,8 @@ class ModelService:
             warmed = sched.warmup(should_stop=lambda: self._stop_requested)
             if warmed is not None:
                 self.scheduler = sched
+            else:  # cut short: never usable, so its group threads end here
+                sched.groups.close()
             if self._stop_requested:
                 lc.to(ModelState.STOPPED)
                 return
@@ -252,7 +291,7 @@ class ModelService:
         return True
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """End the engine thread; requests still in flight fail with 503."""
+        """End the engine thread; requests still in flight fail (``ShuttingDown``)."""
         self._stop_requested = True
         if self.scheduler is not None:
             self.scheduler.stop()
@@ -266,17 +305,36 @@ class ModelService:
 
     # ------------------------------------------------------------------ requests
 
+    def request(self, prompt: str, sampling: SamplingParams, stop: Sequence[str] = ()) -> Request:
+        """``prompt`` encoded and checked against the model (``Request.create``, the one
+        check a request gets). Raises :class:`NotAccepting` unless ``ready``, and
+        ``BadRequest``/``RequestTooLong``."""
+        from jaxlab.infer.request import Request
+
+        model, limits = self.model, self._limits
+        if self.state != ModelState.READY or model is None or limits is None:
+            raise NotAccepting(str(self.state))
+        return Request.create(model.tokenizer.encode(prompt), sampling, limits, stop=stop)
+
     def submit(
         self,
-        request: GenRequest,
+        request: Request,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
         stream: bool = False,
-    ) -> RequestHandle:
-        """Queue a request (see :meth:`Scheduler.submit`); 503 unless ``ready``."""
-        if self.state != ModelState.READY or self.scheduler is None:
+    ) -> RequestStream:
+        """Queue ``request``; its output arrives on the returned stream (events on ``loop``'s
+        thread, or a blocking queue without one). Raises :class:`NotAccepting` unless
+        ``ready``, and ``QueueFull``."""
+        sched, model = self.scheduler, self.model
+        if self.state != ModelState.READY or sched is None or model is None:
             raise NotAccepting(str(self.state))
-        return self.scheduler.submit(request, loop=loop, stream=stream)
+        out = RequestStream(
+            request, model.tokenizer, metrics=self.metrics, loop=loop, stream=stream
+        )
+        rid = sched.submit(request, out)
+        out.on_cancel(lambda: sched.cancel(rid))
+        return out
 
 
-__all__ = ["EngineLoader", "ModelService", "run_dir_loader"]
+__all__ = ["ModelLoader", "ModelService", "ServedModel", "run_dir_loader"]

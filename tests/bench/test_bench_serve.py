@@ -114,13 +114,14 @@ def test_url_measures_a_running_server_and_skips_the_slot_comparison(tmp_path):
     started, so there is no 16-slot vs 1-slot comparison."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from jaxlab.bench.serve_suite import _engine, _serve_cfg
+    from jaxlab.bench.serve_suite import _model, _serve_cfg
     from jaxlab.config import load_config
     from jaxlab.serve import ModelService, ServerThread
 
     sets = ["inference.max_len=64", "inference.max_new_tokens=16"]
     cfg = load_config("bench-tiny", sets, environ={})
-    service = ModelService.from_engine(_engine(cfg), _serve_cfg(cfg, 4, 16))
+    model = _model(cfg)
+    service = ModelService.from_engine(model.engine, model.tokenizer, _serve_cfg(cfg, 4, 16))
     with ServerThread(service) as srv:
         srv.wait_ready()
         args = ["bench", "serve", "--quick", "--config", "bench-tiny"]

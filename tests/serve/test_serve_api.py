@@ -2,7 +2,8 @@
 
 One engine is loaded per module; every server here shares it (same slots and chunk
 length, so they share its compiled executables too). Servers that need other limits
-(queue, timeout, body size, API key) are started on it with those settings.
+(queue, timeout, body size, API key) are started on it with those settings. Offline
+references come from :func:`jaxlab.infer.offline.generate` on engines of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxlab.config import JaxlabConfig
-from jaxlab.serve import ModelService, ModelState, Scheduler, ServerThread, serve_config
+from jaxlab.serve import (
+    ModelService,
+    ModelState,
+    RequestStream,
+    Scheduler,
+    ServedModel,
+    ServerThread,
+    serve_config,
+)
 
 RUN_STEPS = 30
 OVERRIDES = [
@@ -69,27 +78,68 @@ def cfg(run_dir: Path) -> JaxlabConfig:
     return serve_config(run_dir, OVERRIDES, environ={})
 
 
-@pytest.fixture(scope="module")
-def engine(run_dir: Path, cfg: JaxlabConfig) -> Any:
+def load_model(run_dir: Path, cfg: JaxlabConfig) -> ServedModel:
+    """The run's latest checkpoint on an engine of its own (its compiles are its own)."""
     from jaxlab.infer.engine import Engine
+    from jaxlab.infer.load import load_run
 
-    return Engine.from_run_dir(run_dir, cfg=cfg)
+    run = load_run(run_dir, cfg=cfg)
+    return ServedModel(Engine(run.graphdef, run.params, run.cfg), run.tokenizer, run.step)
+
+
+@pytest.fixture(scope="module")
+def model(run_dir: Path, cfg: JaxlabConfig) -> ServedModel:
+    return load_model(run_dir, cfg)
+
+
+@pytest.fixture(scope="module")
+def engine(model: ServedModel) -> Any:
+    return model.engine
+
+
+def offline(reference: ServedModel, requests: list[Any]) -> Any:
+    """``requests`` (``(token ids, SamplingParams)``, or ``(text, SamplingParams)``) as one
+    offline batch on ``reference``: :func:`jaxlab.infer.offline.generate`'s results."""
+    from jaxlab.infer.offline import generate
+    from jaxlab.infer.request import Request
+
+    tok = reference.tokenizer
+    limits = reference.engine.limits(tok.eot_id)
+    reqs = [
+        Request.create(tok.encode(p) if isinstance(p, str) else p, sp, limits) for p, sp in requests
+    ]
+    return generate(reference.engine, reqs, tokenizer=tok)
+
+
+def submit(srv: ServerThread, ids: list[int], sampling: Any) -> RequestStream:
+    """Queue token ids straight into ``srv``'s service (no HTTP; events on a plain queue)."""
+    from jaxlab.infer.request import Request
+
+    svc = srv.service
+    assert svc.model is not None
+    limits = svc.model.engine.limits(svc.model.tokenizer.eot_id)
+    return svc.submit(Request.create(ids, sampling, limits))
+
+
+def drain_events(h: RequestStream) -> None:
+    while h.get(timeout=60).kind == "tokens":
+        pass
 
 
 @contextlib.contextmanager
 def serving(
-    engine: Any,
+    model: ServedModel,
     cfg: JaxlabConfig,
     *,
-    loader: Callable[[], Any] | None = None,
+    loader: Callable[[], ServedModel] | None = None,
     chunk_delay_s: float = 0.0,
     **serve: Any,
 ) -> Iterator[ServerThread]:
-    """A server on ``engine`` with ``serve.*`` fields replaced."""
+    """A server on ``model`` with ``serve.*`` fields replaced."""
     c = cfg.model_copy(deep=True)
     for key, value in serve.items():
         setattr(c.serve, key, value)
-    svc = ModelService(c, loader or (lambda: engine))
+    svc = ModelService(c, loader or (lambda: model))
     svc.chunk_delay_s = chunk_delay_s
     srv = ServerThread(svc).start()
     try:
@@ -101,8 +151,8 @@ def serving(
 
 
 @pytest.fixture(scope="module")
-def server(engine: Any, cfg: JaxlabConfig) -> Iterator[ServerThread]:
-    with serving(engine, cfg) as srv:
+def server(model: ServedModel, cfg: JaxlabConfig) -> Iterator[ServerThread]:
+    with serving(model, cfg) as srv:
         yield srv
 
 
@@ -188,8 +238,7 @@ def mixed_requests(n: int = 32) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_32_concurrent_requests_equal_offline_generate(server, engine, run_dir, cfg):
-    from jaxlab.infer.engine import Engine, Request
+def test_32_concurrent_requests_equal_offline_generate(server, run_dir, cfg):
     from jaxlab.infer.sampling import SamplingParams
 
     reqs = mixed_requests()
@@ -204,9 +253,10 @@ def test_32_concurrent_requests_equal_offline_generate(server, engine, run_dir, 
     answers = [r.json() for r in responses]
 
     # The reference: a separate engine, all 32 prompts as one offline batch.
-    offline = Engine.from_run_dir(run_dir, cfg=cfg).generate(
+    expected = offline(
+        load_model(run_dir, cfg),
         [
-            Request(
+            (
                 r["prompt"],
                 SamplingParams(
                     max_new_tokens=r["max_tokens"],
@@ -217,9 +267,9 @@ def test_32_concurrent_requests_equal_offline_generate(server, engine, run_dir, 
                 ),
             )
             for r in reqs
-        ]
+        ],
     )
-    for req, got, want in zip(reqs, answers, offline, strict=True):
+    for req, got, want in zip(reqs, answers, expected, strict=True):
         assert got["token_ids"] == want.token_ids, req
         assert got["text"] == want.text
         assert got["finish_reason"] == want.finish_reason
@@ -243,8 +293,6 @@ def test_one_slot_group_serves_the_same_tokens(server, run_dir, cfg):
     """``serve.decode_groups=1`` (one batched state, the scheduler's plain path) answers
     the same tokens as the module's two-group server. Its own engine: a 4-row decode
     state is another compile, which must not count against the module server's engine."""
-    from jaxlab.infer.engine import Engine
-
     reqs = mixed_requests(12)
     one = cfg.model_copy(deep=True)
     one.serve.decode_groups = 1
@@ -255,7 +303,7 @@ def test_one_slot_group_serves_the_same_tokens(server, run_dir, cfg):
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
         return [r.json() for r in rs]
 
-    with serving(Engine.from_run_dir(run_dir, cfg=cfg), one) as srv:
+    with serving(load_model(run_dir, cfg), one) as srv:
         assert [list(g.slots) for g in sched(srv).groups] == [[0, 1, 2, 3]]
         assert srv.service.info()["decode_groups"] == 1
         assert metric(metrics(srv.url), "jaxlab_decode_groups") == 1
@@ -435,13 +483,13 @@ def test_error_paths_are_openai_shaped_and_never_500(server):
     )
 
 
-def test_a_ready_server_has_frozen_its_startup_heap_and_thaws_it_on_stop(engine, cfg):
+def test_a_ready_server_has_frozen_its_startup_heap_and_thaws_it_on_stop(model, cfg):
     """A full collection skips what the server built before ``ready`` (see
     ``jaxlab.serve.service._freeze_startup_heap``), and stopping gives the freeze back."""
     from jaxlab.serve import service
 
     before = service._frozen_services
-    with serving(engine, cfg) as srv:
+    with serving(model, cfg) as srv:
         tracked = {id(o) for o in gc.get_objects()}
         assert gc.get_freeze_count() > 0
         assert id(sched(srv)) not in tracked and id(srv.service) not in tracked
@@ -449,8 +497,8 @@ def test_a_ready_server_has_frozen_its_startup_heap_and_thaws_it_on_stop(engine,
     assert service._frozen_services == before
 
 
-def test_a_bug_is_still_a_json_500(engine, cfg, monkeypatch):
-    with serving(engine, cfg) as srv:
+def test_a_bug_is_still_a_json_500(model, cfg, monkeypatch):
+    with serving(model, cfg) as srv:
 
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("boom")
@@ -465,8 +513,8 @@ def test_a_bug_is_still_a_json_500(engine, cfg, monkeypatch):
         assert metric(metrics(srv.url), "jaxlab_requests_total", status="500") == 1
 
 
-def test_body_over_max_body_bytes_is_413(engine, cfg):
-    with serving(engine, cfg, max_body_bytes=200) as srv:
+def test_body_over_max_body_bytes_is_413(model, cfg):
+    with serving(model, cfg, max_body_bytes=200) as srv:
         body = json.dumps({"prompt": "y" * 300}).encode()
         err = assert_error(httpx.post(srv.url + "/v1/generate", content=body), 413)
         assert "serve.max_body_bytes = 200" in err["message"]
@@ -482,11 +530,11 @@ def test_body_over_max_body_bytes_is_413(engine, cfg):
         assert metric(m, "jaxlab_requests_total", status="413") == 2
 
 
-def test_api_key_guards_v1_and_the_openai_client_works(engine, cfg):
+def test_api_key_guards_v1_and_the_openai_client_works(model, cfg):
     import openai
     from pydantic import SecretStr
 
-    with serving(engine, cfg, api_key=SecretStr("sekrit")) as srv:
+    with serving(model, cfg, api_key=SecretStr("sekrit")) as srv:
         assert_error(httpx.get(srv.url + "/v1/models"), 401, "invalid_api_key")
         assert_error(
             httpx.post(
@@ -544,8 +592,8 @@ def test_api_key_guards_v1_and_the_openai_client_works(engine, cfg):
 # ----------------------------------------------------------------------------- faults
 
 
-def test_queue_full_is_503_with_retry_after(engine, cfg):
-    with serving(engine, cfg, max_queue=2) as srv:
+def test_queue_full_is_503_with_retry_after(model, cfg):
+    with serving(model, cfg, max_queue=2) as srv:
         sc = sched(srv)
         sc.pause_admission()
 
@@ -570,8 +618,8 @@ def test_queue_full_is_503_with_retry_after(engine, cfg):
         assert [r.status_code for r in queued] == [200, 200]
 
 
-def test_request_timeout_is_504_and_frees_the_slot(engine, cfg):
-    with serving(engine, cfg, request_timeout_s=1.0, chunk_delay_s=0.4) as srv:
+def test_request_timeout_is_504_and_frees_the_slot(model, cfg):
+    with serving(model, cfg, request_timeout_s=1.0, chunk_delay_s=0.4) as srv:
         url = srv.url
         t0 = time.perf_counter()
         r = httpx.post(url + "/v1/generate", json={"prompt": "slow", "max_tokens": 64})
@@ -603,8 +651,8 @@ def test_request_timeout_is_504_and_frees_the_slot(engine, cfg):
         assert metric(m, "jaxlab_num_requests_running") == 0
 
 
-def test_client_disconnect_cancels_and_frees_the_slot(engine, cfg):
-    with serving(engine, cfg, chunk_delay_s=0.2) as srv:
+def test_client_disconnect_cancels_and_frees_the_slot(model, cfg):
+    with serving(model, cfg, chunk_delay_s=0.2) as srv:
         url = srv.url
         body = {"prompt": "bye", "max_tokens": 80, "stream": True}
         with (
@@ -630,14 +678,14 @@ def test_client_disconnect_cancels_and_frees_the_slot(engine, cfg):
 # ----------------------------------------------------------------------------- lifecycle
 
 
-def test_ready_is_503_until_loaded_and_warmed(engine, cfg):
+def test_ready_is_503_until_loaded_and_warmed(model, cfg):
     gate = threading.Event()
 
-    def slow_loader() -> Any:
+    def slow_loader() -> ServedModel:
         gate.wait(60)
-        return engine
+        return model
 
-    with serving(engine, cfg, loader=slow_loader) as srv:
+    with serving(model, cfg, loader=slow_loader) as srv:
         r = httpx.get(srv.url + "/ready")
         assert r.status_code == 503 and r.json()["state"] == "loading"
         assert httpx.get(srv.url + "/health").json() == {"status": "ok", "state": "loading"}
@@ -662,13 +710,12 @@ def test_ready_is_503_until_loaded_and_warmed(engine, cfg):
 
 
 def test_a_stop_during_warm_up_ends_it_before_the_next_compile(run_dir, cfg):
-    from jaxlab.infer.engine import Engine
-
     # A fresh engine (nothing compiled yet), and a drain requested the moment warm-up
     # starts, from the engine thread itself (lifecycle listeners run synchronously): the
     # warm-up must stop before its first compile instead of compiling every bucket.
-    fresh = Engine.from_run_dir(run_dir, cfg=cfg)
-    svc = ModelService(cfg, lambda: fresh)
+    loaded = load_model(run_dir, cfg)
+    fresh = loaded.engine
+    svc = ModelService(cfg, lambda: loaded)
 
     def stop_at_warm_up(old: ModelState, new: ModelState) -> None:
         if new == ModelState.WARMING:
@@ -683,11 +730,11 @@ def test_a_stop_during_warm_up_ends_it_before_the_next_compile(run_dir, cfg):
     assert svc.scheduler is None  # never usable: requests get 503 not_ready
 
 
-def test_a_model_that_fails_to_load_reports_failed(engine, cfg):
+def test_a_model_that_fails_to_load_reports_failed(model, cfg):
     def broken_loader() -> Any:
         raise FileNotFoundError("no checkpoint here")
 
-    with serving(engine, cfg, loader=broken_loader) as srv:
+    with serving(model, cfg, loader=broken_loader) as srv:
         assert srv.service.wait_ready(30) == ModelState.FAILED
         r = httpx.get(srv.url + "/ready")
         assert r.status_code == 503 and r.json()["state"] == "failed"
@@ -697,8 +744,8 @@ def test_a_model_that_fails_to_load_reports_failed(engine, cfg):
         assert metric(metrics(srv.url), "jaxlab_model_state", state="failed") == 1
 
 
-def test_drain_finishes_in_flight_and_refuses_new_requests(engine, cfg):
-    with serving(engine, cfg, chunk_delay_s=0.25) as srv:
+def test_drain_finishes_in_flight_and_refuses_new_requests(model, cfg):
+    with serving(model, cfg, chunk_delay_s=0.25) as srv:
         url = srv.url
         with httpx.stream(
             "POST",
@@ -721,36 +768,33 @@ def test_drain_finishes_in_flight_and_refuses_new_requests(engine, cfg):
         assert states[-2:] == [ModelState.DRAINING, ModelState.STOPPED]
 
 
-def admit_together(s: Any, engine: Any, run_dir: Any, cfg: Any, reqs: list) -> tuple:
+def admit_together(srv: ServerThread, engine: Any, run_dir: Any, cfg: Any, reqs: list) -> tuple:
     """Queue ``reqs`` while admission is paused, release them at once and drain them.
 
     Returns ``(outputs, expected, prefills)``: each request's served tokens, its offline
     generation (a separate engine, whose compiles are its own), and the prompt lengths
-    of every ``prefill_batch`` call the scheduler made, in order.
+    of every ``prefill`` call the scheduler made, in order.
     """
-    from jaxlab.infer.engine import Engine, Request
-    from jaxlab.serve.scheduler import GenRequest
-
+    s = sched(srv)
     wait_until(lambda: s.idle)
-    reference = Engine.from_run_dir(run_dir, cfg=cfg)
-    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in reqs]
+    reference = load_model(run_dir, cfg)
+    expected = [offline(reference, [(ids, sp)])[0].token_ids for ids, sp in reqs]
     prefills: list[list[int]] = []
-    prefill_batch = engine.prefill_batch
+    prefill = engine.prefill
 
     def counting(prompts: Any, *args: Any, **kwargs: Any) -> Any:
         prefills.append([len(p) for p in prompts])
-        return prefill_batch(prompts, *args, **kwargs)
+        return prefill(prompts, *args, **kwargs)
 
     s.pause_admission()
-    engine.prefill_batch = counting
+    engine.prefill = counting
     try:
-        handles = [s.submit(GenRequest(list(ids), sp)) for ids, sp in reqs]
+        handles = [submit(srv, list(ids), sp) for ids, sp in reqs]
         s.resume_admission()
         for h in handles:
-            while h.get(timeout=60).kind == "tokens":
-                pass
+            drain_events(h)
     finally:
-        del engine.prefill_batch
+        del engine.prefill
         s.resume_admission()
     return [h.token_ids for h in handles], expected, prefills
 
@@ -772,7 +816,7 @@ def test_requests_admitted_together_share_one_prefill_and_equal_offline(
         ([13] * 12, SamplingParams(max_new_tokens=7, top_k=5, temperature=1.0, seed=1)),
         ([15] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True)),  # waits for a slot
     ]
-    outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
+    outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     calls = [len(p) for p in prefills]
     assert outputs == expected
     assert calls[0] == 4 and sorted(calls[1:]) == [1]
@@ -792,7 +836,7 @@ def test_three_admitted_together_go_as_one_padded_group(server, engine, run_dir,
         ([22] * 5, SamplingParams(max_new_tokens=8, temperature=0.7, seed=9, ignore_eos=True)),
         ([23] * 9, SamplingParams(max_new_tokens=4, ignore_eos=True)),
     ]
-    outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
+    outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     assert outputs == expected
     assert prefills == [[5, 9, 30, 1]]
     assert engine.compiles == s.compiles_after_warmup
@@ -803,7 +847,7 @@ def test_requests_spread_over_the_slot_groups_which_decode_side_by_side(
 ):
     """``serve.decode_groups=2``: slots 0-1 and 2-3 are two batched states. Requests
     admitted together take the least busy group's lowest free slot, so three of them land
-    in slots 0, 2 and 1 (one ``insert_rows`` per group, with the group's own row indices);
+    in slots 0, 2 and 1 (one ``insert`` per group, with the group's own row indices);
     every chunk then runs both groups, each dispatched from its own thread; and each output
     equals offline generation."""
     from jaxlab.infer.sampling import SamplingParams
@@ -817,21 +861,21 @@ def test_requests_spread_over_the_slot_groups_which_decode_side_by_side(
     ]
     inserts: list[tuple[int, list[int]]] = []
     chunks: list[tuple[int, str]] = []
-    insert_rows, generate_chunk = engine.insert_rows, engine.generate_chunk
+    insert, generate = engine.insert, engine.generate
 
     def record_insert(prefix: Any, state: Any, slots: Any) -> Any:
         inserts.append((state.slots, list(slots)))
-        return insert_rows(prefix, state, slots)
+        return insert(prefix, state, slots)
 
     def record_chunk(state: Any, *args: Any, **kwargs: Any) -> Any:
         chunks.append((state.slots, threading.current_thread().name))
-        return generate_chunk(state, *args, **kwargs)
+        return generate(state, *args, **kwargs)
 
-    engine.insert_rows, engine.generate_chunk = record_insert, record_chunk
+    engine.insert, engine.generate = record_insert, record_chunk
     try:
-        outputs, expected, prefills = admit_together(s, engine, run_dir, cfg, reqs)
+        outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     finally:
-        del engine.insert_rows, engine.generate_chunk
+        del engine.insert, engine.generate
     assert outputs == expected
     assert prefills == [[3, 4, 7, 1]]  # by prompt length; the padding row takes no slot
     assert inserts == [(2, [0, -1, 1, -1]), (2, [-1, 0, -1, -1])]
@@ -847,9 +891,7 @@ def test_requests_arriving_during_a_prefill_are_admitted_before_the_next_chunk(
     """Prefill goes first: two requests that arrive while the first is being prefilled
     (submitted from inside its prefill) are prefilled before any decode chunk runs, so
     all three decode together from their first chunk, each equal to offline generation."""
-    from jaxlab.infer.engine import Engine, Request
     from jaxlab.infer.sampling import SamplingParams
-    from jaxlab.serve.scheduler import GenRequest
 
     s = sched(server)
     wait_until(lambda: s.idle)
@@ -858,32 +900,31 @@ def test_requests_arriving_during_a_prefill_are_admitted_before_the_next_chunk(
         ([32] * 9, SamplingParams(max_new_tokens=10, temperature=0.8, seed=3, ignore_eos=True)),
         ([33] * 4, SamplingParams(max_new_tokens=11, ignore_eos=True)),
     ]
-    reference = Engine.from_run_dir(run_dir, cfg=cfg)
-    expected = [reference.generate([Request(ids, sp)])[0].token_ids for ids, sp in [first, *later]]
+    reference = load_model(run_dir, cfg)
+    expected = [offline(reference, [(ids, sp)])[0].token_ids for ids, sp in [first, *later]]
     calls: list[str] = []
     late_handles: list[Any] = []
-    prefill_batch, generate_chunk = engine.prefill_batch, engine.generate_chunk
+    prefill_fn, generate_fn = engine.prefill, engine.generate
 
     def prefill(prompts: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(f"prefill {len(prompts)}")
         if not late_handles:  # the others arrive while this one is being prefilled
-            late_handles.extend(s.submit(GenRequest(list(ids), sp)) for ids, sp in later)
-        return prefill_batch(prompts, *args, **kwargs)
+            late_handles.extend(submit(server, list(ids), sp) for ids, sp in later)
+        return prefill_fn(prompts, *args, **kwargs)
 
     def chunk(*args: Any, **kwargs: Any) -> Any:
         calls.append("chunk")
-        return generate_chunk(*args, **kwargs)
+        return generate_fn(*args, **kwargs)
 
-    engine.prefill_batch, engine.generate_chunk = prefill, chunk
+    engine.prefill, engine.generate = prefill, chunk
     try:
-        handles = [s.submit(GenRequest(list(first[0]), first[1]))]
+        handles = [submit(server, list(first[0]), first[1])]
         wait_until(lambda: len(late_handles) == 2)
         handles += late_handles
         for h in handles:
-            while h.get(timeout=60).kind == "tokens":
-                pass
+            drain_events(h)
     finally:
-        del engine.prefill_batch, engine.generate_chunk
+        del engine.prefill, engine.generate
     assert calls[:2] == ["prefill 1", "prefill 2"], calls
     assert "prefill" not in " ".join(calls[2:]), calls
     assert [h.token_ids for h in handles] == expected
@@ -895,35 +936,33 @@ def test_requests_done_in_prefill_cannot_starve_decoding(server, engine):
     slot) that keep arriving during each other's prefills are admitted at most ``slots``
     per iteration, so the request that is decoding still advances between them."""
     from jaxlab.infer.sampling import SamplingParams
-    from jaxlab.serve.scheduler import GenRequest
 
     s = sched(server)
     wait_until(lambda: s.idle)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     calls: list[str] = []
     flood: list[Any] = []
-    prefill_batch, generate_chunk = engine.prefill_batch, engine.generate_chunk
+    prefill_fn, generate_fn = engine.prefill, engine.generate
 
     def prefill(prompts: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append("prefill")
         if calls.count("chunk") and len(flood) < 12:  # the next one arrives meanwhile
-            flood.append(s.submit(GenRequest([41] * 3, one)))
-        return prefill_batch(prompts, *args, **kwargs)
+            flood.append(submit(server, [41] * 3, one))
+        return prefill_fn(prompts, *args, **kwargs)
 
     def chunk(*args: Any, **kwargs: Any) -> Any:
         calls.append("chunk")
         if len(flood) == 0:
-            flood.append(s.submit(GenRequest([41] * 3, one)))
-        return generate_chunk(*args, **kwargs)
+            flood.append(submit(server, [41] * 3, one))
+        return generate_fn(*args, **kwargs)
 
-    engine.prefill_batch, engine.generate_chunk = prefill, chunk
+    engine.prefill, engine.generate = prefill, chunk
     try:
-        long = s.submit(GenRequest([40] * 5, SamplingParams(max_new_tokens=90, ignore_eos=True)))
-        while long.get(timeout=60).kind == "tokens":
-            pass
+        long = submit(server, [40] * 5, SamplingParams(max_new_tokens=90, ignore_eos=True))
+        drain_events(long)
         wait_until(lambda: len(flood) == 12 and all(h.finished for h in flood))
     finally:
-        del engine.prefill_batch, engine.generate_chunk
+        del engine.prefill, engine.generate
     assert all(h.finish_reason == "length" and len(h.token_ids) == 1 for h in flood)
     runs = "".join("p" if c == "prefill" else "c" for c in calls).split("c")
     assert max(len(r) for r in runs) <= s.slots, calls
@@ -967,7 +1006,8 @@ def test_zz_nothing_compiled_while_serving(server, engine):
     warm = sched(server).compiles_after_warmup
     assert warm is not None
     # One prefill per (bucket, admission group size): groups of 1, 2 and 4 (serve.prefill_batch
-    # = the 4 slots here); insert_rows once per group size above 1.
+    # = the 4 slots here); insert once per group size (a 1-row prefix also frees a slot);
+    # generate once, for a slot group's rows.
     assert warm["prefill"] == 3 * len(engine.buckets) == 6
-    assert warm["insert"] == 1 and warm["insert_rows"] == 2 and warm["decode"] == 1
+    assert warm["insert"] == 3 and warm["generate"] == 1
     assert engine.compiles == warm

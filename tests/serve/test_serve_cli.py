@@ -155,7 +155,7 @@ def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
     doc = json.loads(srv.stdout)
     assert doc["port"] == port and doc["url"] == url and doc["checkpoint_step"] == RUN_STEPS
     # One bucket, prefilled in admission groups of 1, 2 and 4 (serve.prefill_batch = 4 slots).
-    assert doc["compiles"]["prefill"] == 3 and doc["compiles"]["decode"] == 1
+    assert doc["compiles"]["prefill"] == 3 and doc["compiles"]["generate"] == 1
 
 
 @pytest.mark.slow
