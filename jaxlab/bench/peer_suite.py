@@ -44,8 +44,8 @@ SETTLE_S = 0.05
 
 #: Untimed calls each side makes right before each of its timed ones. The other side's turn
 #: has just filled the caches with its own data; without this, every jaxlab batch-1 call
-#: would start by re-reading its 21 MB of weights from DRAM (measured: 113.7 against 105.7 ms
-#: per 128-token call after a 64 MB copy), which a steady generation loop never pays.
+#: would start by re-reading its weights from DRAM, which a steady generation loop never
+#: pays (the cost is in docs/performance.md).
 WARM_EACH = 1
 
 
@@ -89,8 +89,9 @@ class PeerTurns:
         return self.samples[-n:] if n > 0 else []
 
 
-#: Reads of the weight buffer per timed peer repetition of the ``read`` case (one read of
-#: bench-small's 21 MB takes about half a millisecond; 32 make a sample of ~15 ms).
+#: Reads of the weight buffer per timed peer repetition of the ``read`` case: a sample
+#: holds many, so it times a steady stream of reads rather than one call's start-up (read
+#: times in docs/performance.md).
 READS_PER_SAMPLE = 32
 
 
@@ -334,8 +335,9 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
             case,
             batch * new,
             run_ours if mine_runs else None,
-            # the naive path recomputes the whole prefix, far beyond any cache, for 5-20 s
-            # a call: warming it again would double the suite's longest case for nothing
+            # the naive path recomputes the whole prefix, for seconds a call, far beyond any
+            # cache: warming it again would double the suite's longest case for nothing
+            # (call times in docs/performance.md)
             WARM_EACH if kv else 0,
         )
         if mine is not None:

@@ -201,9 +201,8 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
 
         # ---- the comparison: the same requests against 16 slots and 1 slot, interleaved
         urls = {SWEEP_SLOTS: url, 1: start(1)}
-        # Six waves of the 16-slot server per round: with fewer, its round is so short next
-        # to the 1-slot side's that one stall of a shared VM moves the round's ratio by
-        # several percent (docs/serving.md, "Load benchmark").
+        # Six waves of the 16-slot server per round: in a round half as long, one stall of a
+        # shared VM showed in the round's ratio (round lengths in docs/performance.md).
         n = 32 if ctx.quick else COMPARE_REQUESTS
         plans = [
             ("temperature=0.8", 0.8, 1 if ctx.quick else 2),

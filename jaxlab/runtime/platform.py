@@ -34,14 +34,12 @@ _JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 #: default matmul precision): only which kernel runs a dot or a reduction, that is, the f32
 #: summation order. Figures in ``docs/performance.md``.
 #:
-#: * ``AuthenticAMD`` (measured on a 2-core AMD EPYC VM): ``individual_dot``, so YNNPACK
-#:   keeps the dots and loses the reductions. Its reductions made the bench-small train
-#:   step 1.2-1.4x slower; its dots made the memory-bound decode step 1.3-1.9x faster than
-#:   XLA's own kernels (batch 1 and 8), and the train step the same speed either way.
-#: * ``GenuineIntel`` (measured on a 2-core Intel Xeon VM with AVX-512 and AMX; single
-#:   processes on an earlier one agreed at 16 rows): the empty list, so XLA's own kernels
-#:   run every op. Its dots make the decode step 11-20% faster at 8 and 16 rows and leave
-#:   batch 1 and the train step the same, within noise.
+#: * ``AuthenticAMD``: ``individual_dot``, so YNNPACK keeps the dots and loses the
+#:   reductions. On the AMD VM its reductions slowed the train step, and its dots sped up
+#:   the memory-bound decode step with the train step unchanged.
+#: * ``GenuineIntel``: the empty list, so XLA's own kernels run every op. On the Intel VM
+#:   its dots sped up the decode step at 8 and 16 rows and left batch 1 and the train step
+#:   unchanged.
 #: * Any other vendor, or none found: the AMD choice, the one measured longest.
 XLA_CPU_DEFAULTS_BY_VENDOR: dict[str, dict[str, str]] = {
     "AuthenticAMD": {"xla_cpu_experimental_ynn_fusion_type": "individual_dot"},
@@ -120,12 +118,12 @@ def configure_platform(platform: str) -> None:
 def enable_compilation_cache(path: str | os.PathLike[str] | None) -> Path | None:
     """Turn on JAX's persistent compilation cache in ``path`` (``None``: leave it as it is).
 
-    Every executable is cached, however quick its compile (JAX's default skips those under
-    a second; a serve warm-up has dozens of ~2 s ones and a cache hit is a file read). The
-    cache key is JAX's own: the HLO, the compile options and flags, the backend and jaxlib
-    versions, so a changed model, shape, flag or jaxlib compiles afresh. Call it before the
-    first compile of the process; JAX decides once whether a cache is in use. Returns the
-    directory (created if missing).
+    Every executable is cached, however quick its compile: JAX's default skips those under
+    a second, a serve warm-up has dozens near that threshold, and a cache hit is a file read
+    (warm-up times in docs/performance.md). The cache key is JAX's own: the HLO, the compile
+    options and flags, the backend and jaxlib versions, so a changed model, shape, flag or
+    jaxlib compiles afresh. Call it before the first compile of the process; JAX decides
+    once whether a cache is in use. Returns the directory (created if missing).
     """
     if path is None or str(path) == "":
         return None

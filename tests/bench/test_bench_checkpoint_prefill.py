@@ -47,7 +47,7 @@ def test_checkpoint_suite_times_each_phase_apart(records):
         assert rec.stats.n == 3 and all(t > 0 for t in rec.samples)
     # The blocking part is a part of the same save timed until durable. Were each sample to
     # wait for the previous save to finish (Orbax serialises saves), the two would be
-    # the same size; they differ several times over here (~10 vs ~80 ms), so an ordering
+    # the same size; they differ several times over (docs/performance.md), so an ordering
     # of medians is an invariant of the measurement, not a claim about speed.
     assert blocking.stats.median_value < durable.stats.median_value
 

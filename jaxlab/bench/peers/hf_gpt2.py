@@ -98,7 +98,8 @@ def read(spec: dict) -> tuple[Callable[[], Any], dict]:
     """``reads`` streaming reads of a float32 buffer of ``bytes`` (``torch.sum``, every
     thread): the rate at which this machine reads a decode step's weights, for the
     harness's batch-1 ceiling. A model-free task: torch's reduction is the fastest
-    multi-threaded read either environment has (XLA:CPU's reduce and NumPy's are slower)."""
+    multi-threaded read either environment has (XLA:CPU's reduce and NumPy's are slower;
+    docs/performance.md)."""
     import torch
 
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
