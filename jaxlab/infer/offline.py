@@ -151,7 +151,8 @@ class Stream:
         ttft_s = t1 - self.t_call - compile_s
         yield self._take(np.asarray(first)[None, :], np.asarray(done))
 
-        state, decode_s = pre.state, 0.0
+        state: Any = pre.state  # a DecodeState, or the baseline's NaiveState
+        decode_s = 0.0
         while not all(r.done for r in self.rows):
             c0 = eng.compile_seconds
             t2 = time.perf_counter()

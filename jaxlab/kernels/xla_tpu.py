@@ -93,7 +93,7 @@ class XlaTpu(Xla):
         )
 
     def attend_cache(self, q: Array, cache: LaneDenseCache, positions: Array) -> Array:
-        b, t, h, d = q.shape
+        b, t, _, d = q.shape
         kv = cache.n_kv
 
         def over(n: int) -> Callable[[Array, Array, Array, Array], Array]:
