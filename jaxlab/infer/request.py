@@ -11,6 +11,7 @@ matched after detokenisation (``jaxlab.serve.output``), outside the engine.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ class Request:
             )
         return cls(ids, sampling.with_eos(limits.eos_id), tuple(s for s in stop if s))
 
-    @property
+    @functools.cached_property
     def stop_ids(self) -> frozenset[int]:
         """Tokens that end the request (EOS included unless ignored); never returned."""
         return frozenset(self.sampling.stop_token_ids)

@@ -36,20 +36,21 @@ Array = jax.Array
 
 #: Tokens per chunk (about: a chunk is ``chunk // B`` positions of every row). A ``[C, V]``
 #: f32 block at V = 8192 is 8 MiB for C = 256, so it stays in a 32 MiB L3 while it is
-#: reduced and turned into its gradient. On the 2-core bench machine 256 was the fastest
-#: of 128 / 256 / 512 for the whole train step, by 2-4% (``docs/performance.md``).
+#: reduced and turned into its gradient; 256 was the fastest of 128 / 256 / 512 for the
+#: bench-small train step (``docs/performance.md``).
 DEFAULT_CHUNK = 256
 
 
 def _chunk_stats(logits: Array, targets: Array) -> tuple[Array, Array, Array, Array]:
     """Per-row ``(max, sum(exp(logits - max)), logit[target], argmax == target)``."""
-    # Every reduction over the vocabulary runs in two stages (``reduce_last``), which
-    # XLA:CPU vectorises: these three passes were the head's largest cost after its dots.
+    # Reductions over the vocabulary go through ``reduce_last``: in two stages where the
+    # platform wants them (XLA:CPU), since these passes are the head's largest cost after
+    # its dots there.
     m = reduce_last(logits, "max")
     s = reduce_last(jnp.exp(logits - m[:, None]), "sum")
     tl = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-    # argmax (first-index tie-break) from the max already taken: ``jnp.argmax`` makes the
-    # whole head about 1.3x slower on XLA:CPU.
+    # argmax (first-index tie-break) from the max already taken: XLA:CPU's variadic
+    # ``jnp.argmax`` reduce slows the whole head down (docs/performance.md).
     return m, s, tl, first_index_of(logits, m) == targets
 
 

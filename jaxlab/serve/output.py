@@ -73,7 +73,6 @@ class RequestStream:
         self.request = request
         self.stream = stream
         self.metrics = metrics
-        self._stop_ids = request.stop_ids  # EOS included by Request.create (or not: ignore_eos)
         self.text = Detokenizer(tokenizer, request.stop)
         self._loop = loop
         self._aq: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
@@ -159,7 +158,7 @@ class RequestStream:
             self.t_first = now
             self.metrics.ttft.observe(now - self.t_arrival)
         fresh = list(tokens)
-        by_token = done and bool(fresh) and fresh[-1] in self._stop_ids
+        by_token = done and bool(fresh) and fresh[-1] in self.request.stop_ids
         if by_token:
             fresh.pop()  # the stop token ends the request; it is never returned
         kept: list[int] = []
