@@ -76,6 +76,14 @@ SetOpt = Annotated[
 ]
 
 
+def checkpoint_step(value: str) -> str:
+    """``--step`` of a run's checkpoints: 'latest' or a step number >= 0 (checked by click,
+    before anything loads)."""
+    if value == "latest" or (value.isascii() and value.isdigit()):
+        return value
+    raise typer.BadParameter(f"expected 'latest' or a step number >= 0 (got {value!r})")
+
+
 def resolve(config: str | None, sets: list[str] | None):
     """The one loader, as every command calls it."""
     from jaxlab.config import resolve_config
