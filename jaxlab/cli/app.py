@@ -109,4 +109,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
+    """The process entry point (``jaxlab``, ``python -m jaxlab``)."""
+    common.reserve_stdout()
     sys.exit(main())
