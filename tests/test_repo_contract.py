@@ -21,6 +21,7 @@ def test_readme_opens_with_two_one_line_commands():
     assert text.index("```bash") < 20, "the commands come first"
     install, test = readme_commands()
     assert "jaxlab" in install
+    assert "install --force '.[plots]'" in install, "the reviewer's install draws the plots"
     assert "--frozen-lockfile" in test
 
 

@@ -82,7 +82,12 @@ def generation_record(
     return ctx.record("generate_s", "s", r["wall_s"], case=case, derived=derived)
 
 
-@suite("decode", needs_peak=True, description="decode latency and tokens/s vs batch size")
+@suite(
+    "decode",
+    needs_peak=True,
+    new_shapes=True,
+    description="decode latency and tokens/s vs batch size",
+)
 def decode_suite(ctx: BenchContext) -> Iterator[Record]:
     cfg = ctx.config
     engine = _engine(cfg)
@@ -94,7 +99,11 @@ def decode_suite(ctx: BenchContext) -> Iterator[Record]:
         yield generation_record(ctx, engine, batch, prompt, new, kv_cache=True)
 
 
-@suite("kv-cache", description="cached vs naive (full-prefix) generation vs generated length")
+@suite(
+    "kv-cache",
+    new_shapes=True,
+    description="cached vs naive (full-prefix) generation vs generated length",
+)
 def kv_cache_suite(ctx: BenchContext) -> Iterator[Record]:
     cfg = ctx.config
     engine = _engine(cfg)
@@ -106,7 +115,11 @@ def kv_cache_suite(ctx: BenchContext) -> Iterator[Record]:
             yield generation_record(ctx, engine, 8, prompt, new, kv_cache=kv)
 
 
-@suite("prefill", description="prefill latency vs prompt length; bucketed vs exact shapes")
+@suite(
+    "prefill",
+    new_shapes=True,
+    description="prefill latency vs prompt length; bucketed vs exact shapes",
+)
 def prefill_suite(ctx: BenchContext) -> Iterator[Record]:
     import jax
     import numpy as np

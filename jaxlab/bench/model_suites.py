@@ -125,7 +125,10 @@ def train_record(
 
 
 @suite(
-    "train", needs_peak=True, description="train-step tokens/s and MFU vs batch and accumulation"
+    "train",
+    needs_peak=True,
+    new_shapes=True,
+    description="train-step tokens/s and MFU vs batch and accumulation",
 )
 def train_suite(ctx: BenchContext) -> Iterator[Record]:
     cfg = ctx.config

@@ -145,6 +145,7 @@ def peer_problem(python: str) -> str | None:
     "peer",
     needs_peak=True,
     default=False,
+    new_shapes=True,
     description="side by side with HF transformers GPT-2 (PyTorch eager): train and generate",
 )
 def peer_suite(ctx: BenchContext) -> Iterator[Record]:

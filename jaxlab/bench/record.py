@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jaxlab.bench.stats import Stats
+from jaxlab.config.loader import not_utf8
 
 SCHEMA_VERSION = 1
 RECORDS_FILENAME = "records.jsonl"
@@ -185,6 +186,8 @@ def load_records(path: str | Path) -> list[Record]:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecordError(f"{p}: no such records file") from None
+    except UnicodeDecodeError as e:
+        raise RecordError(f"{p}: {not_utf8(e)}") from None
     except OSError as e:
         raise RecordError(f"{p}: cannot read ({e.strerror})") from None
     out = []

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxlab.bench.record import Record, case_label, load_records
+from jaxlab.bench.record import Record, RecordError, case_label, load_records
+from jaxlab.config.loader import not_utf8
 
 # What each suite's numbers show and do not show (prose; the numbers come from records).
 EXPLAIN: dict[str, tuple[str, str]] = {
@@ -225,6 +226,13 @@ def readme_with_results(readme: str, recs: Sequence[Record]) -> str:
     return f"{head}{START}{block}\n{END}{tail}"
 
 
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError(f"{path}: {not_utf8(e)}") from None
+
+
 def _run_meta_note(run_dir: Path, rel: Path, recs: Sequence[Record]) -> str:
     """``: `command` (config)`` from the set's ``run.json``; for an older set without one,
     the suites its records hold."""
@@ -232,7 +240,10 @@ def _run_meta_note(run_dir: Path, rel: Path, recs: Sequence[Record]) -> str:
     if not meta_path.is_file():
         suites = list(dict.fromkeys(r.suite for r in recs if r.run_id == run_dir.name))
         return f": suites {', '.join(suites)}" if suites else ""
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(_read_utf8(meta_path))
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{meta_path}: not JSON ({e.msg})") from None
     note = f": `{meta['command']}`" if meta.get("command") else ""
     if (run_dir / "config.toml").is_file():
         note += f" ([resolved config]({rel}/config.toml))"
@@ -322,7 +333,7 @@ def load_all(run_dirs: Sequence[Path]) -> list[Record]:
 def write_results(run_dirs: Sequence[Path], out: Path, readme: Path | None = None) -> Path:
     """Write ``out``; also refresh the results block of ``readme`` when given."""
     recs = load_all(run_dirs)
-    out.write_text(render(run_dirs, recs, out.parent))
+    out.write_text(render(run_dirs, recs, out.parent), encoding="utf-8")
     if readme is not None and readme.is_file():
-        readme.write_text(readme_with_results(readme.read_text(), recs))
+        readme.write_text(readme_with_results(_read_utf8(readme), recs), encoding="utf-8")
     return out

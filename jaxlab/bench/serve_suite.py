@@ -142,7 +142,11 @@ def _model(cfg: JaxlabConfig) -> ServedModel:
     return ServedModel(Engine.from_config(cfg, seed=0), tok)
 
 
-@suite("serve", description="HTTP serving under load: concurrency sweep, Poisson, slots vs 1")
+@suite(
+    "serve",
+    new_shapes=True,
+    description="HTTP serving under load: concurrency sweep, Poisson, slots vs 1",
+)
 def serve_suite(ctx: BenchContext) -> Iterator[Record]:
     from jaxlab.serve.loadgen import closed_loop, completion_bodies, make_prompts, poisson
 

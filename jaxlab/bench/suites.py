@@ -20,6 +20,7 @@ complete suite names without starting jax.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import secrets
 from collections.abc import Callable, Iterable, Sequence
@@ -64,19 +65,28 @@ class SuiteSpec:
     description: str = ""
     needs_peak: bool = False
     default: bool = True
+    new_shapes: bool = False
 
 
 REGISTRY: dict[str, SuiteSpec] = {}
 
 
 def suite(
-    name: str, *, description: str = "", needs_peak: bool = False, default: bool | None = None
+    name: str,
+    *,
+    description: str = "",
+    needs_peak: bool = False,
+    default: bool | None = None,
+    new_shapes: bool = False,
 ) -> Callable[[SuiteFn], SuiteFn]:
     """Register ``fn`` as suite ``name``.
 
     ``needs_peak``: the runner measures the ``peak`` suite first in the same run (so
     ``ctx.mfu`` has its denominator). ``default``: part of ``jaxlab bench`` with no names
-    (default: yes, except ``serve``).
+    (default: yes, except ``serve``). ``new_shapes``: the suite sweeps input shapes (batch
+    sizes, lengths, slots) through the same compiled functions, so their recompiles are
+    expected: logged at INFO, not warned about (``jaxlab.runtime.compiled``). Records still
+    count any compile inside a timed call.
     """
     if not name or name.startswith("-") or name in RESERVED_NAMES:
         raise ValueError(f"invalid suite name {name!r} (reserved: {sorted(RESERVED_NAMES)})")
@@ -92,6 +102,7 @@ def suite(
             description=doc,
             needs_peak=needs_peak,
             default=(name not in NOT_BY_DEFAULT) if default is None else default,
+            new_shapes=new_shapes,
         )
         return fn
 
@@ -157,6 +168,14 @@ class BenchRun:
         return sum(not r.ok for r in self.records)
 
 
+def _shapes_expected(expected: bool) -> contextlib.AbstractContextManager[None]:
+    if not expected:
+        return contextlib.nullcontext()
+    from jaxlab.runtime.compiled import new_shapes_expected  # imports jax
+
+    return new_shapes_expected()
+
+
 def _run_one(ctx: BenchContext, name: str) -> list[Record]:
     """Run suite ``name`` inside ``ctx``: write each yielded record, record a crash."""
     spec = REGISTRY[name]
@@ -164,10 +183,13 @@ def _run_one(ctx: BenchContext, name: str) -> list[Record]:
     start = len(ctx.records)
     ctx.reporter.suite_started(name)
     try:
-        for rec in spec.fn(ctx):
-            if not isinstance(rec, Record):
-                raise TypeError(f"suite {name!r} yielded {type(rec).__name__}, expected a Record")
-            ctx.emit(rec)
+        with _shapes_expected(spec.new_shapes):
+            for rec in spec.fn(ctx):
+                if not isinstance(rec, Record):
+                    raise TypeError(
+                        f"suite {name!r} yielded {type(rec).__name__}, expected a Record"
+                    )
+                ctx.emit(rec)
     except Exception as e:
         ctx.suite = name
         ctx.emit(ctx.failure("suite_error", e, case={"stage": "suite"}, unit=""))

@@ -6,6 +6,7 @@ body, so ``jaxlab --help``, ``jaxlab config ...`` and shell completion start fas
 
 from __future__ import annotations
 
+import logging
 import sys
 import traceback
 from typing import Annotated
@@ -46,7 +47,12 @@ app = typer.Typer(
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug", help="Show tracebacks on errors, and the input signature of a recompile."
+        ),
+    ] = False,
     log_level: Annotated[
         str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")
     ] = "WARNING",
@@ -58,6 +64,8 @@ def _root(
             f"got {log_level!r}, expected DEBUG, INFO, WARNING or ERROR", param_hint="--log-level"
         )
     common.configure_logging(STATE.log_level)
+    # --debug also shows a recompile's whole input signature (logged at DEBUG).
+    logging.getLogger("jaxlab.compile").setLevel(logging.DEBUG if debug else logging.NOTSET)
 
 
 devices_cmd.register(app)
@@ -109,4 +117,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
+    """The process entry point (``jaxlab``, ``python -m jaxlab``)."""
+    common.reserve_stdout()
     sys.exit(main())

@@ -365,12 +365,16 @@ def results_cmd(
     ] = Path("README.md"),
 ) -> None:
     """Generate the results document from record sets (no number typed by hand)."""
+    from jaxlab.bench.record import RecordError
     from jaxlab.bench.results_doc import write_results
 
     for d in run_dirs:
         if not (d / "records.jsonl").is_file():
             raise UsageProblem(f"{d}: no records.jsonl (expected a benchmark run directory)")
-    path = write_results(run_dirs, out, readme=readme)
+    try:
+        path = write_results(run_dirs, out, readme=readme)
+    except RecordError as e:
+        raise UsageProblem(str(e)) from None
     console.print(Text(f"wrote {path}"))
 
 

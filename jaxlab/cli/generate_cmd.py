@@ -23,12 +23,30 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is None and prompt_file is None:
         raise UsageProblem("no prompt: give --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None:
+        from jaxlab.config.loader import not_utf8
+
         try:
             return prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageProblem(f"--prompt-file {prompt_file}: cannot read it ({e})") from None
+        except UnicodeDecodeError as e:
+            raise UsageProblem(f"--prompt-file {prompt_file}: {not_utf8(e)}") from None
+        except OSError as e:
+            raise UsageProblem(
+                f"--prompt-file {prompt_file}: cannot read it ({e.strerror or e})"
+            ) from None
     assert prompt is not None
     return prompt
+
+
+def _check_sampling(given: dict[str, Any]) -> None:
+    """The options given, against the server's ranges (``SamplingParams.problem``, the check
+    every request passes), before anything loads: a bad value names its option."""
+    from jaxlab.infer.sampling import SamplingParams
+
+    # The defaults are valid, so a problem is one of the given values.
+    bad = SamplingParams(**{k: v for k, v in given.items() if v is not None}).problem()
+    if bad is not None:
+        field, message = bad
+        raise UsageProblem(f"--{field.replace('_', '-')}: {message}")
 
 
 def _quiet_libraries() -> None:
@@ -50,7 +68,8 @@ def register(app: typer.Typer) -> None:
     def generate(
         run_dir: Annotated[Path, typer.Option("--run-dir", help="A training run directory.")],
         step: Annotated[
-            int | None, typer.Option("--step", help="Checkpoint step (default: the latest).")
+            int | None,
+            typer.Option("--step", min=0, help="Checkpoint step (default: the latest)."),
         ] = None,
         prompt: Annotated[str | None, typer.Option("--prompt", help="The prompt text.")] = None,
         prompt_file: Annotated[
@@ -58,14 +77,14 @@ def register(app: typer.Typer) -> None:
         ] = None,
         max_new_tokens: Annotated[
             int | None,
-            typer.Option("--max-new-tokens", help="Default inference.max_new_tokens."),
+            typer.Option("--max-new-tokens", min=1, help="Default inference.max_new_tokens."),
         ] = None,
         temperature: Annotated[
             float | None, typer.Option("--temperature", help="0 = greedy (the default).")
         ] = None,
-        top_k: Annotated[int | None, typer.Option("--top-k", help="0 = off.")] = None,
+        top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="0 = off.")] = None,
         top_p: Annotated[float | None, typer.Option("--top-p", help="1.0 = off.")] = None,
-        seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed.")] = None,
+        seed: Annotated[int | None, typer.Option("--seed", min=0, help="Sampling seed.")] = None,
         kv_cache: Annotated[
             bool,
             typer.Option(
@@ -83,6 +102,13 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Generate text from a checkpoint (KV-cached, decode loop inside jit)."""
         text_prompt = _read_prompt(prompt, prompt_file)
+        sampled = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+        }
         from jaxlab.train.run_dir import RunDir
 
         rd = RunDir(run_dir)
@@ -91,8 +117,11 @@ def register(app: typer.Typer) -> None:
         cfg = rd.load_config()
         from jaxlab.runtime import configure_runtime
 
-        configure_runtime(cfg.runtime)
+        configure_runtime(cfg.runtime)  # before jax is imported
         _quiet_libraries()
+        _check_sampling(sampled)
+        if not rd.checkpoint_dir.is_dir():
+            raise UsageProblem(f"--run-dir {run_dir}: no checkpoints to generate from")
 
         from jaxlab.checkpoint import CheckpointNotFound
         from jaxlab.infer import Engine, Request, RequestError, SamplingParams, load_run, offline
@@ -103,14 +132,7 @@ def register(app: typer.Typer) -> None:
         except CheckpointNotFound as e:
             raise UsageProblem(str(e)) from None
         engine = Engine(run.graphdef, run.params, run.cfg)
-        sampling = SamplingParams.from_config(
-            run.cfg.inference,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-        )
+        sampling = SamplingParams.from_config(run.cfg.inference, **sampled)
         try:
             limits = engine.limits(run.tokenizer.eot_id)
             request = Request.create(run.tokenizer.encode(text_prompt), sampling, limits)

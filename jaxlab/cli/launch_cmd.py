@@ -19,7 +19,9 @@ def register(app: typer.Typer) -> None:
         n: Annotated[int, typer.Option("-n", "--processes", min=1, help="Processes to start.")] = 2,
         devices_per_process: Annotated[
             int | None,
-            typer.Option("--devices-per-process", help="Simulated CPU devices in each process."),
+            typer.Option(
+                "--devices-per-process", min=1, help="Simulated CPU devices in each process."
+            ),
         ] = None,
         log_dir: Annotated[
             Path | None,

@@ -92,6 +92,8 @@ def register(app: typer.Typer) -> None:
         else:
             rep = chain.run()
         console.print(view.table())
+        for note in chain.report_notes:
+            console.print(f"note: {note}", markup=False, soft_wrap=True)
         console.print(
             f"{'PASS' if rep.ok else 'FAIL'} in {time.perf_counter() - t0:.1f}s; "
             f"report: {out_dir / 'report.md'} and {out_dir / 'report.json'}",

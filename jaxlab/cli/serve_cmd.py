@@ -63,7 +63,8 @@ def register(app: typer.Typer) -> None:
     def serve(
         run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory to serve.")],
         step: Annotated[
-            int | None, typer.Option("--step", help="Checkpoint step (default: the latest).")
+            int | None,
+            typer.Option("--step", min=0, help="Checkpoint step (default: the latest)."),
         ] = None,
         host: Annotated[
             str | None, typer.Option("--host", help="Bind address (default serve.host).")

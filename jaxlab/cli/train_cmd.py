@@ -16,6 +16,7 @@ from jaxlab.cli.common import (
     JsonOpt,
     SetOpt,
     UsageProblem,
+    checkpoint_step,
     console,
     emit_json,
     resolve,
@@ -28,8 +29,14 @@ RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="The run directory.")
 StepsOpt = Annotated[
     int | None,
     typer.Option(
-        "--steps", help="Stop after this many total steps (the LR schedule spans train.steps)."
+        "--steps",
+        min=1,
+        help="Stop after this many total steps (the LR schedule spans train.steps).",
     ),
+]
+StepOpt = Annotated[
+    str,
+    typer.Option("--step", callback=checkpoint_step, help="'latest' or a step number."),
 ]
 
 
@@ -226,23 +233,21 @@ def register(app: typer.Typer) -> None:
     @app.command(epilog="Example: jaxlab resume --run-dir artifacts/runs/demo --steps 100")
     def resume(
         run_dir: RunDirOpt,
-        step: Annotated[str, typer.Option("--step", help="'latest' or a step number.")] = "latest",
+        step: StepOpt = "latest",
         steps: StepsOpt = None,
         json_: JsonOpt = False,
     ) -> None:
         """Continue a run exactly from a checkpoint (bitwise on CPU)."""
-        from jaxlab.train.run_dir import RunDir
+        from jaxlab.train.run_dir import PER_PROCESS_FIELDS, RunDir
 
         rd = RunDir(run_dir)
         if not rd.exists():
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
-        cfg = rd.load_config()
+        cfg = rd.load_config(env_may_change=PER_PROCESS_FIELDS)
         _configure(cfg)
         from jaxlab.checkpoint import CheckpointNotFound
         from jaxlab.train.trainer import Trainer
 
-        if step != "latest" and not step.isdigit():
-            raise UsageProblem(f"--step: expected 'latest' or a step number (got {step!r})")
         trainer = Trainer(cfg, run_dir)
         try:
             restored = trainer.restore(step)
@@ -254,19 +259,20 @@ def register(app: typer.Typer) -> None:
     @app.command("eval", epilog="Example: jaxlab eval --run-dir artifacts/runs/demo --json")
     def eval_(
         run_dir: RunDirOpt,
-        step: Annotated[str, typer.Option("--step", help="'latest' or a step number.")] = "latest",
+        step: StepOpt = "latest",
         batches: Annotated[
-            int | None, typer.Option("--batches", help="Eval batches (default train.eval_batches).")
+            int | None,
+            typer.Option("--batches", min=1, help="Eval batches (default train.eval_batches)."),
         ] = None,
         json_: JsonOpt = False,
     ) -> None:
         """Token-weighted loss, perplexity and accuracy over the eval split (padding excluded)."""
-        from jaxlab.train.run_dir import RunDir
+        from jaxlab.train.run_dir import PER_PROCESS_FIELDS, RunDir
 
         rd = RunDir(run_dir)
         if not rd.exists():
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
-        cfg = rd.load_config()
+        cfg = rd.load_config(env_may_change=PER_PROCESS_FIELDS)
         _configure(cfg)
         from jaxlab.checkpoint import CheckpointNotFound
         from jaxlab.train.trainer import Trainer

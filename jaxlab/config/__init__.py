@@ -2,8 +2,10 @@
 
 from jaxlab.config.loader import (
     ConfigError,
+    EnvOverride,
     ResolvedConfig,
     config_hash,
+    env_overrides,
     from_toml,
     load_config,
     preset_names,
@@ -35,6 +37,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "EnvOverride",
     "InferenceConfig",
     "JaxlabConfig",
     "ModelConfig",
@@ -48,6 +51,7 @@ __all__ = [
     "TokenizerConfig",
     "TrainConfig",
     "config_hash",
+    "env_overrides",
     "from_toml",
     "load_config",
     "preset_names",

@@ -91,11 +91,18 @@ def _locate(ref: str, relative_to: Path | None) -> tuple[Path, str]:
     raise ConfigError([f"{ref}: no such preset or file ({fix})"])
 
 
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """What is wrong with a file that does not decode, for a one-line message."""
+    return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it as UTF-8"
+
+
 def _read_toml(path: Path, label: str) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{label}: malformed TOML: {e}"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{label}: {not_utf8(e)}"]) from None
     except OSError as e:
         raise ConfigError([f"{label}: cannot read ({e.strerror})"]) from None
 
@@ -306,6 +313,35 @@ def resolve_config(
         raise ConfigError(_format_errors(e, sources, origin)) from None
     full = {k: sources.get(k, DEFAULT_SOURCE) for k in _flatten(to_dict(cfg, secrets=False))}
     return ResolvedConfig(config=cfg, sources=full, origin=origin)
+
+
+@dataclass(frozen=True)
+class EnvOverride:
+    """A field a ``JAXLAB_*`` variable set to something other than a config file's value."""
+
+    key: str  # dotted field name
+    variable: str  # the environment variable that set it
+    value: Any  # as the variable set it (None: unset)
+    stored: Any  # as the file has it (None: unset)
+
+
+def env_overrides(
+    path: str | Path, environ: Mapping[str, str] | None = None
+) -> tuple[ResolvedConfig, list[EnvOverride]]:
+    """Resolve the config file ``path`` with ``JAXLAB_*`` variables on top, and list each
+    field a variable changed from the file's value (a stored config, such as a run
+    directory's ``config.toml``, can then refuse them by name)."""
+    stored = _flatten(to_dict(resolve_config(path, environ={}).config))
+    resolved = resolve_config(path, environ=environ)
+    now = _flatten(to_dict(resolved.config))
+    changed = []
+    for key in sorted(set(stored) | set(now)):
+        source = resolved.sources.get(key, "")
+        if source.startswith("env ") and stored.get(key) != now.get(key):
+            changed.append(
+                EnvOverride(key, source.removeprefix("env "), now.get(key), stored.get(key))
+            )
+    return resolved, changed
 
 
 def load_config(

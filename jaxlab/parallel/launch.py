@@ -4,7 +4,9 @@ Each child runs ``python -m jaxlab ARGS`` with ``runtime.distributed`` set throu
 environment (mode 'manual', coordinator on 127.0.0.1, its process id) and, optionally,
 several simulated CPU devices. The launcher watches them: if one exits non-zero, the
 others are terminated at once and the launcher exits with that code, so a dead process
-never leaves its peers hanging in a collective. SIGINT/SIGTERM are forwarded.
+never leaves its peers hanging in a collective. SIGINT/SIGTERM are forwarded. Process 0
+writes its stdout (a --json document) to the launcher's ``sys.stdout``; the others' stdout
+goes to the launcher's fd 1, which the CLI points at stderr.
 
 On a cluster, skip this launcher: start one process per host with
 ``JAXLAB_RUNTIME__DISTRIBUTED__MODE=auto`` and let ``jax.distributed`` detect SLURM,
@@ -21,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -44,6 +47,16 @@ def child_env(i: int, n: int, port: int, devices_per_process: int | None) -> dic
     return env
 
 
+def _output_stream() -> int | None:
+    """Process 0's stdout: this process's ``sys.stdout``, which the CLI keeps apart from
+    fd 1 (``jaxlab.cli.common.reserve_stdout``); None (inherit fd 1) without a descriptor."""
+    try:
+        sys.stdout.flush()
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def launch(
     args: Sequence[str],
     n: int,
@@ -57,7 +70,9 @@ def launch(
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     for i in range(n):
-        out = None
+        # Process 0 prints the command's output (the --json document). What the others
+        # print to stdout goes where this process's fd 1 goes: stderr, under the CLI.
+        out: Any = _output_stream() if i == 0 else None
         if i > 0 and log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             f = open(log_dir / f"process-{i}.log", "wb")  # noqa: SIM115 - closed below
@@ -67,8 +82,8 @@ def launch(
             subprocess.Popen(
                 [sys.executable, "-m", "jaxlab", *args],
                 env=child_env(i, n, port, devices_per_process),
-                stdout=out if i > 0 else None,
-                stderr=subprocess.STDOUT if out is not None else None,
+                stdout=out,
+                stderr=subprocess.STDOUT if i > 0 and out is not None else None,
             )
         )
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from jaxlab.bench.report import SUMMARY_MD
 from jaxlab.config import JaxlabConfig, load_config, preset_names, validate_file
+from jaxlab.reproduce.report import LOSS_CURVE, render, write_loss_curve
 
 STAGES = ("devices", "configs", "train", "restore", "resume", "eval", "generate", "bench", "serve")
 
@@ -108,6 +110,8 @@ class Chain:
         self.cfg = _base_config(out_dir, quick)
         self.results = {name: StageResult(name) for name in STAGES}
         self.ctx: dict[str, Any] = {}
+        #: What the report could not show (plots skipped), one line each, for the CLI.
+        self.report_notes: list[str] = []
 
     # ------------------------------------------------------------------ driver
 
@@ -288,7 +292,14 @@ class Chain:
             raise StageFailed(f"{len(failed)} benchmark records failed: {failed[0].error}")
         r.summary = f"{len(run.records)} records ({', '.join(suites)}), none failed"
         r.evidence.append(str(run.run_dir))
-        r.details = {"run_dir": str(run.run_dir), "records": len(run.records)}
+        report = run.report
+        r.details = {
+            "run_dir": str(run.run_dir),
+            "records": len(run.records),
+            "summary": str(run.run_dir / SUMMARY_MD),
+            "plots": [str(p) for p in report.plots] if report else [],
+            "notes": list(report.notes) if report else [],
+        }
 
     def stage_serve(self, r: StageResult) -> None:
         from jaxlab.reproduce.serve_smoke import serve_smoke
@@ -303,24 +314,23 @@ class Chain:
     # ------------------------------------------------------------------ report
 
     def write_report(self, rep: Reproduction) -> None:
+        """``report.json``, and ``report.md`` with the loss curve and the benchmark plots."""
+        from jaxlab.train.run_dir import RunDir
+
+        loss_note = None
+        if self.results["train"].status == "pass":
+            loss_note = write_loss_curve(
+                RunDir(self.out / "run").read_metrics(),
+                self.out / LOSS_CURVE,
+                title=f"train stage: preset tiny, {self.cfg.train.steps} steps",
+            )
+            if loss_note is None:
+                self.results["train"].evidence.append(str(self.out / LOSS_CURVE))
         doc = rep.to_json()
         (self.out / "report.json").write_text(json.dumps(doc, indent=2, default=str))
-        lines = [
-            "# jaxlab reproduce",
-            "",
-            f"Result: **{'PASS' if rep.ok else 'FAIL'}** in {doc['total_s']:.1f} s "
-            f"({'quick' if rep.quick else 'full'}). Output: `{self.out}`.",
-            "",
-            "| stage | status | seconds | what was checked | evidence |",
-            "|---|---|---|---|---|",
-        ]
-        for s in doc["stages"]:
-            what = s["summary"] or ""
-            if s["error"]:
-                what = f"{what} ERROR: {s['error']}".strip()
-            ev = "<br>".join(f"`{e}`" for e in s["evidence"])
-            lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {what} | {ev} |")
-        (self.out / "report.md").write_text("\n".join(lines) + "\n")
+        (self.out / "report.md").write_text(render(doc, self.out, loss_note=loss_note))
+        bench_notes = self.results["bench"].details.get("notes") or []
+        self.report_notes = [n for n in (loss_note, *bench_notes) if n]
 
 
 def np_isfinite(x: float) -> bool:

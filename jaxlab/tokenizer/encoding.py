@@ -247,7 +247,14 @@ class Tokenizer:
         not hash to the sha256 recorded at save time (a tampered or corrupted rank file).
         """
         src = Path(directory)
-        meta = json.loads((src / META_FILENAME).read_text(encoding="utf-8"))
+        try:
+            meta = json.loads((src / META_FILENAME).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            from jaxlab.config.loader import not_utf8
+
+            raise ValueError(f"{src / META_FILENAME}: {not_utf8(e)}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{src / META_FILENAME}: not JSON ({e})") from None
         try:
             kind = meta["kind"]
             name = meta["name"]

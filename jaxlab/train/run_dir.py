@@ -14,21 +14,33 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from jaxlab.config import JaxlabConfig, config_hash, to_toml
 
+#: Per-process launch state: not part of a run's identity (each process of a multi-process
+#: run takes it from its own environment), so a ``JAXLAB_*`` variable may set it.
+PER_PROCESS_FIELDS = ("runtime.distributed",)
+
 
 def run_identity(cfg: JaxlabConfig) -> str:
     """The config as the run directory stores it: everything except per-process launch
-    state (``runtime.distributed``), which each process takes from its own environment."""
+    state (``PER_PROCESS_FIELDS``), which each process takes from its own environment."""
     from jaxlab.config.schema import DistributedConfig
 
     stored = cfg.model_copy(deep=True)
     stored.runtime.distributed = DistributedConfig()
     return to_toml(stored)
+
+
+def _under(key: str, prefixes: Sequence[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _show(value: Any) -> str:
+    return "(unset)" if value is None else repr(value)
 
 
 def new_run_id() -> str:
@@ -72,13 +84,35 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.config_path, run_identity(cfg))
 
-    def load_config(self) -> JaxlabConfig:
-        """The run's config; JAXLAB_* variables still apply (e.g. the distributed launch)."""
-        from jaxlab.config import resolve_config
+    def load_config(self, *, env_may_change: Sequence[str] | None = None) -> JaxlabConfig:
+        """The run's config; JAXLAB_* variables still apply (e.g. the distributed launch).
+
+        ``env_may_change`` (dotted prefixes): the only fields a variable may change, for a
+        caller that continues this very run (resume, eval: ``PER_PROCESS_FIELDS``). A
+        variable that changes any other field is a ``ConfigError`` naming the field, both
+        values and the variable, and the fix. None: any field (generate and serve take
+        their sections from the run's checkpoint and let ``inference.*`` and ``runtime.*``
+        vary).
+        """
+        from jaxlab.config import ConfigError, env_overrides, resolve_config
 
         if not self.exists():
             raise FileNotFoundError(f"{self.path} is not a run directory (no config.toml)")
-        return resolve_config(self.config_path).config
+        if env_may_change is None:
+            return resolve_config(self.config_path).config
+        resolved, overrides = env_overrides(self.config_path)
+        bad = [o for o in overrides if not _under(o.key, env_may_change)]
+        if bad:
+            raise ConfigError(
+                [
+                    f"env {o.variable}: {o.key} = {_show(o.value)}, but this run was created "
+                    f"with {o.key} = {_show(o.stored)} ({self.config_path}) and keeps it; "
+                    f"unset {o.variable} to use this run, or start a new one with it "
+                    "(jaxlab train --run-dir NEW_DIR)"
+                    for o in bad
+                ]
+            )
+        return resolved.config
 
     def write_manifest(self, cfg: JaxlabConfig, extra: dict[str, Any] | None = None) -> None:
         from jaxlab.runtime.inventory import device_inventory, git_state

@@ -169,3 +169,30 @@ def test_config_hash_is_stable_and_sensitive():
     a = load_config("tiny", environ={})
     assert config_hash(a) == config_hash(load_config("tiny", environ={}))
     assert config_hash(a) != config_hash(load_config("tiny", ["train.steps=7"], environ={}))
+
+
+def test_a_file_that_is_not_utf8_names_the_file_and_byte(tmp_path):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes("[train]\nsteps = 3 # café\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        resolve_config(bad, environ={})
+    (issue,) = e.value.issues
+    assert issue.startswith(f"{bad}: not UTF-8 text (byte 0xe9 at offset ")
+    assert validate_file(bad) == [issue]
+
+
+def test_env_overrides_name_each_changed_field_and_its_variable(tmp_path):
+    from jaxlab.config import EnvOverride, env_overrides
+
+    path = write(tmp_path, "run.toml", "[train]\nsteps = 30\n[model]\nd_model = 64\n")
+    env = {
+        "JAXLAB_TRAIN__STEPS": "30",
+        "JAXLAB_MODEL__D_MODEL": "128",
+        "JAXLAB_DATA__SEQ_LEN": "32",
+    }
+    resolved, changed = env_overrides(path, env)
+    assert resolved.config.model.d_model == 128
+    assert changed == [  # an equal value is no override
+        EnvOverride("data.seq_len", "JAXLAB_DATA__SEQ_LEN", 32, 64),
+        EnvOverride("model.d_model", "JAXLAB_MODEL__D_MODEL", 128, 64),
+    ]

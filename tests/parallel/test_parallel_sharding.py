@@ -215,3 +215,38 @@ def test_a_dead_process_fails_the_others_fast(tmp_path):
     assert time.time() - t0 < 60, "the surviving process hung"
     assert launcher.returncode == 137
     assert "process 1 exited with code -9" in err
+
+
+@pytest.mark.slow
+def test_two_processes_json_stdout_holds_one_document(tmp_path):
+    """``train --processes 2 --json``: whatever the native libraries print when the two
+    processes connect (gloo's "[Gloo] Rank N is connected to ..." lines, written to fd 1
+    from C++) goes to stderr; stdout is exactly the one JSON document of process 0."""
+    sets = [
+        f"runtime.artifacts_dir={tmp_path / 'art'}",
+        "tokenizer.kind=byte",
+        "model.vocab_size=258",
+        "data.synthetic_docs=200",
+        "data.seq_len=32",
+        "train.log_every_steps=1",
+    ]
+    args = [x for s in sets for x in ("--set", s)]
+    run = tmp_path / "two"
+    r = run_cli(
+        "train",
+        "-c",
+        "tiny",
+        *args,
+        "--steps",
+        "2",
+        "--processes",
+        "2",
+        "--run-dir",
+        str(run),
+        "--json",
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)  # the whole of stdout is one document
+    assert doc["steps"] == 2 and doc["run_dir"] == str(run)
+    assert "Gloo" not in r.stdout
