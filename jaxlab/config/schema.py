@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from jaxlab.config.ranges import SAMPLING_RANGES
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -238,14 +248,24 @@ class InferenceConfig(Section):
     prefill_buckets: list[int] | None = Field(
         default=None, description="Prompt length buckets; default powers of two up to max_len."
     )
-    max_new_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
-    top_k: int = Field(default=0, ge=0, description="0 = off.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="1.0 = off.")
-    seed: int = Field(default=0, ge=0)
+    # The sampling defaults; their ranges are a request's (jaxlab.config.ranges).
+    max_new_tokens: int = 64
+    temperature: float = Field(default=0.0, description="0 = greedy.")
+    top_k: int = Field(default=0, description="0 = off.")
+    top_p: float = Field(default=1.0, description="1.0 = off.")
+    seed: int = 0
     stream_chunk_tokens: int = Field(
         default=8, ge=1, description="Tokens decoded per host round trip."
     )
+
+    @field_validator(*SAMPLING_RANGES)
+    @classmethod
+    def _in_sampling_range(cls, value: float, info: ValidationInfo) -> float:
+        name = info.field_name or ""
+        problem = SAMPLING_RANGES[name].problem(name, value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class ServeConfig(Section):

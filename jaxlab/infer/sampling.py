@@ -24,14 +24,17 @@ second one skips the top-k/top-p mask (a sort-free radix select, see
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxlab.config.ranges import INT32_MAX, SAMPLING_RANGES, shown
 from jaxlab.config.schema import InferenceConfig
 from jaxlab.kernels.reduce import argmax_last, reduce_last
 
@@ -42,12 +45,39 @@ Array = jax.Array
 MAX_STOP_TOKENS = 8
 #: Seeds must fit a non-negative int32 so that the in-jit ``PRNGKey(seed)`` equals the
 #: host's ``jax.random.PRNGKey(seed)``.
-MAX_SEED = 2**31 - 1
+MAX_SEED = INT32_MAX
+
+
+class SamplingRow(NamedTuple):
+    """One request's sampling values in the dtypes of :class:`SamplingArrays` (host numpy)."""
+
+    temperature: np.float32
+    top_k: np.int32
+    top_p: np.float32
+    seed: np.int32
+    stop: np.ndarray  # i32[MAX_STOP_TOKENS], -1 = unused column
+    max_new: np.int32
+
+
+def _int32(name: str, value: int) -> np.int32:
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ValueError(f"{name} = {shown(value)} does not fit int32")
+    return np.int32(value)
+
+
+def _float32(name: str, value: float) -> np.float32:
+    try:
+        return np.float32(value)
+    except OverflowError:  # an int past float64's range
+        raise ValueError(f"{name} = {shown(value)} does not fit float32") from None
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature == 0`` is greedy (top-k/top-p ignored)."""
+    """How one request samples. ``temperature == 0`` is greedy (top-k/top-p ignored).
+
+    The valid range of each value is :data:`jaxlab.config.ranges.SAMPLING_RANGES`
+    (:meth:`problem`)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -78,19 +108,16 @@ class SamplingParams:
         return dataclasses.replace(self, stop_token_ids=(*self.stop_token_ids, eos_id))
 
     def problem(self) -> tuple[str, str] | None:
-        """``(field, message)`` for the first invalid field, or None when all are valid."""
-        if self.max_new_tokens < 1:
-            return "max_new_tokens", f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"
-        if not self.temperature >= 0.0:
-            return "temperature", f"temperature must be >= 0 (got {self.temperature})"
-        if self.top_k < 0:
-            return "top_k", f"top_k must be >= 0, 0 = off (got {self.top_k})"
-        if not 0.0 < self.top_p <= 1.0:
-            return "top_p", f"top_p must be in (0, 1], 1 = off (got {self.top_p})"
-        if not 0 <= self.seed <= MAX_SEED:
-            return "seed", f"seed must be in [0, {MAX_SEED}] (got {self.seed})"
-        if len(self.stop_token_ids) > MAX_STOP_TOKENS - 1:
-            n = len(self.stop_token_ids)
+        """``(field, message)`` for the first invalid field, or None when all are valid.
+
+        The message names the field, its valid range and the value. Every value in range
+        is exact in its device dtype, so a checked request's :attr:`row` never raises."""
+        for name, valid in SAMPLING_RANGES.items():
+            bad = valid.problem(name, getattr(self, name))
+            if bad is not None:
+                return name, bad
+        n = len(self.stop_token_ids)
+        if n > MAX_STOP_TOKENS - 1:
             return "stop_token_ids", f"at most {MAX_STOP_TOKENS - 1} stop token ids (got {n})"
         return None
 
@@ -99,6 +126,26 @@ class SamplingParams:
         bad = self.problem()
         if bad is not None:
             raise ValueError(bad[1])
+
+    @functools.cached_property
+    def row(self) -> SamplingRow:
+        """These values in the device's dtypes: the host-side half of a prefill, made once per
+        request, so that a value no dtype can hold fails its own request, never its batch.
+        Raises ``ValueError`` naming the field (not for a checked request: :meth:`problem`)."""
+        if len(self.stop_token_ids) > MAX_STOP_TOKENS:
+            raise ValueError(f"at most {MAX_STOP_TOKENS} stop token ids per row")
+        stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
+        stop[: len(self.stop_token_ids)] = [
+            _int32("stop_token_ids", t) for t in self.stop_token_ids
+        ]
+        return SamplingRow(
+            temperature=_float32("temperature", self.temperature),
+            top_k=_int32("top_k", self.top_k),
+            top_p=_float32("top_p", self.top_p),
+            seed=_int32("seed", self.seed),
+            stop=stop,
+            max_new=_int32("max_new_tokens", self.max_new_tokens),
+        )
 
 
 @struct.dataclass
@@ -118,24 +165,19 @@ class SamplingArrays:
 
 
 def sampling_arrays(params: Sequence[SamplingParams]) -> SamplingArrays:
-    """Host-side (numpy) construction of the per-row arrays for ``params``.
+    """The per-row arrays for ``params``, on device, from each one's :attr:`~SamplingParams.row`.
 
     ``stop_token_ids`` are taken as they are: a request's EOS is already among them
     (:meth:`SamplingParams.with_eos`).
     """
-    b = len(params)
-    stop = np.full((b, MAX_STOP_TOKENS), -1, np.int32)
-    for i, p in enumerate(params):
-        if len(p.stop_token_ids) > MAX_STOP_TOKENS:
-            raise ValueError(f"at most {MAX_STOP_TOKENS} stop token ids per row")
-        stop[i, : len(p.stop_token_ids)] = p.stop_token_ids
+    rows = [p.row for p in params]
     return SamplingArrays(
-        temperature=jax.device_put(np.array([p.temperature for p in params], np.float32)),
-        top_k=jax.device_put(np.array([p.top_k for p in params], np.int32)),
-        top_p=jax.device_put(np.array([p.top_p for p in params], np.float32)),
-        seed=jax.device_put(np.array([p.seed for p in params], np.int32)),
-        stop=jax.device_put(stop),
-        max_new=jax.device_put(np.array([p.max_new_tokens for p in params], np.int32)),
+        temperature=jax.device_put(np.array([r.temperature for r in rows], np.float32)),
+        top_k=jax.device_put(np.array([r.top_k for r in rows], np.int32)),
+        top_p=jax.device_put(np.array([r.top_p for r in rows], np.float32)),
+        seed=jax.device_put(np.array([r.seed for r in rows], np.int32)),
+        stop=jax.device_put(np.stack([r.stop for r in rows])),
+        max_new=jax.device_put(np.array([r.max_new for r in rows], np.int32)),
     )
 
 

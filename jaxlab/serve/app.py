@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,7 +42,9 @@ from jaxlab.serve.asgi import (
     ClientGone,
     SSEResponse,
     V1Middleware,
+    client_gone,
     error_response,
+    mark_gone,
     read_body,
     sse,
     until_disconnect,
@@ -190,20 +193,16 @@ class ServeApp:
     def _deadline_s(self) -> float:
         return self.cfg.request_timeout_s + 5.0
 
-    async def _complete(self, request: HttpRequest, req: Request) -> RequestStream | None:
-        """Run ``req`` to its end (non-streaming): the finished handle, or None when the
-        client left first (the request is cancelled). A failed request raises its API error.
-        """
+    async def _complete(self, request: HttpRequest, req: Request) -> RequestStream:
+        """Run ``req`` to its end (non-streaming): the finished handle. A failed request
+        raises its API error; a client that left first, :class:`ClientGone` (the request
+        is cancelled)."""
         h = self._submit(req, stream=False)
         watcher = asyncio.ensure_future(until_disconnect(request.receive))
         try:
             t_end = time.perf_counter() + self._deadline_s()
             while True:
-                try:
-                    ev = await _next_event(h, watcher, t_end - time.perf_counter())
-                except ClientGone:
-                    request.scope[OUTCOME_KEY] = CLIENT_GONE
-                    return None
+                ev = await _next_event(h, watcher, t_end - time.perf_counter())
                 if ev.kind != "tokens":
                     break
         finally:
@@ -217,8 +216,6 @@ class ServeApp:
         body = validate(GenerateBody, parse_json(await read_body(request, self.cfg.max_body_bytes)))
         req, seed = self._request(body.prompt, body)
         h = await self._complete(request, req)
-        if h is None:
-            return Response(status_code=CLIENT_GONE)
         model = self.service.model
         assert model is not None
         eng = model.engine
@@ -255,7 +252,6 @@ class ServeApp:
                 param="model",
                 code="model_not_found",
             )
-        body.check_supported()
         prompt = body.single_prompt()
         req, _ = self._request(prompt, body)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -268,8 +264,6 @@ class ServeApp:
 
         if not body.stream:
             h = await self._complete(request, req)
-            if h is None:
-                return Response(status_code=CLIENT_GONE)
             doc = chunk(h.output_text, h.finish_reason)
             doc["usage"] = usage(h)
             return JSONResponse(doc)
@@ -281,9 +275,6 @@ class ServeApp:
         watcher = asyncio.ensure_future(until_disconnect(request.receive))
         try:
             first = await _next_event(h, watcher, self._deadline_s())
-        except ClientGone:
-            request.scope[OUTCOME_KEY] = CLIENT_GONE
-            return Response(status_code=CLIENT_GONE)
         finally:
             watcher.cancel()
         if first.kind == "error":
@@ -323,7 +314,8 @@ class ServeApp:
         def on_close() -> None:
             if not h.finished:
                 h.cancel()
-                scope.setdefault(OUTCOME_KEY, CLIENT_GONE)
+                if OUTCOME_KEY not in scope:
+                    mark_gone(scope)
 
         return SSEResponse(events(), on_close)
 
@@ -392,6 +384,8 @@ def create_app(service: ModelService, *, manage_service: bool = True) -> Starlet
             ApiError: _api_error,
             ServeError: _serve_error,
             HTTPException: _http_error,
+            ClientGone: client_gone,  # the client left: 499, one log line
+            ClientDisconnect: client_gone,  # ... while its body was being read
             Exception: _internal_error,
         },
         lifespan=lifespan,

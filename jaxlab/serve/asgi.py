@@ -6,7 +6,8 @@
   (:data:`CLIENT_GONE`).
 - :func:`read_body` reads a body of at most ``serve.max_body_bytes`` (413).
 - :func:`until_disconnect` and :class:`SSEResponse` let a handler notice a client that
-  went away, before and during a stream.
+  went away, before and during a stream; :func:`client_gone` answers one that left
+  (:class:`ClientGone`, or Starlette's ``ClientDisconnect`` while its body was read).
 
 Nothing here knows requests, the model or the domain errors (:mod:`jaxlab.serve.app`
 maps those).
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxlab.serve.metrics import ServeMetrics
@@ -32,6 +34,8 @@ GENERATION_PATHS = frozenset({"/v1/generate", "/v1/completions"})
 #: Set on the ASGI scope when a stream ended badly after its 200 header was sent.
 OUTCOME_KEY = "jaxlab.outcome"
 CLIENT_GONE = 499
+
+log = logging.getLogger("jaxlab.serve")
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -126,6 +130,20 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
+def mark_gone(scope: Scope) -> None:
+    """Count the request as a client that left, 499 (nginx's "client closed request"), and
+    log it on one line: a client going away is not a server error, so no traceback."""
+    scope[OUTCOME_KEY] = CLIENT_GONE
+    log.info("%s %s: the client disconnected (%d)", scope["method"], scope["path"], CLIENT_GONE)
+
+
+async def client_gone(request: HttpRequest, exc: Exception) -> Response:
+    """The exception handler for a client that disconnected before its body was read or
+    before its answer was ready (:func:`mark_gone`). The 499 it answers reaches nobody."""
+    mark_gone(request.scope)
+    return Response(status_code=CLIENT_GONE)
+
+
 class SSEResponse(StreamingResponse):
     """A streaming response that runs ``on_close`` however the stream ends."""
 
@@ -160,7 +178,9 @@ __all__ = [
     "ClientGone",
     "SSEResponse",
     "V1Middleware",
+    "client_gone",
     "error_response",
+    "mark_gone",
     "read_body",
     "sse",
     "until_disconnect",

@@ -9,6 +9,12 @@ Two request schemas:
   implement (``n > 1``, ``echo``, ``logprobs``, ``best_of``, ``suffix``, penalties,
   ``logit_bias``) are refused with 400 naming the parameter when set to a non-default.
 
+:func:`validate` checks a body in two steps: its shape (pydantic, strict types: 422 for a
+wrong type, a missing or an unknown field), then its values (:meth:`Body.check`: 400
+naming the field and its valid range). The numeric ranges are
+:mod:`jaxlab.config.ranges`, the ones ``Request.create`` checks again, so the two never
+disagree; the body's check only names the field as the client sent it.
+
 Every error body is ``{"error": {"message", "type", "param", "code"}}``. Nothing here
 knows the model, the scheduler or the domain errors (:mod:`jaxlab.serve.app` maps those).
 """
@@ -18,12 +24,43 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-MAX_SEED = 2**31 - 1  # as jaxlab.infer.sampling.MAX_SEED (kept jax-free here)
+from jaxlab.config.ranges import (
+    INT32_MAX,
+    MAX_NEW_TOKENS,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Range,
+    shown,
+)
+
+B = TypeVar("B", bound="Body")
+
+MAX_SEED = INT32_MAX
 MAX_STOP_STRINGS = 4
 
-M = TypeVar("M", bound=BaseModel)
+#: The numeric fields both endpoints share -> their valid range.
+RANGES: dict[str, Range] = {
+    "max_tokens": MAX_NEW_TOKENS,
+    "temperature": TEMPERATURE,
+    "top_k": TOP_K,
+    "top_p": TOP_P,
+    "seed": SEED,
+}
+#: OpenAI fields jaxlab does not implement -> the values it takes (their defaults).
+UNSUPPORTED = {
+    "n": (1,),
+    "echo": (False,),
+    "logprobs": (None,),
+    "best_of": (None, 1),
+    "suffix": (None,),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+}
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -70,32 +107,44 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class _Sampling(BaseModel):
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+class Body(BaseModel):
+    """A request body: its shape is pydantic's, its values :meth:`check`'s."""
+
+    def check(self) -> None:
+        """Raise :class:`ApiError` 400 naming the first field whose value is invalid."""
+
+
+class _Sampling(Body):
     """Fields both endpoints share. ``None`` means the server's default."""
 
     model_config = ConfigDict(strict=True)
 
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_k: int | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+
+    def check(self) -> None:
+        for name, valid in RANGES.items():
+            value = getattr(self, name)
+            problem = None if value is None else valid.problem(name, value)
+            if problem is not None:
+                raise _invalid(name, problem)
+        self.stop_strings()
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
-            raise ApiError(
-                400,
-                f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})",
-                param="stop",
-                code="invalid_value",
-            )
+            raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})")
         if any(s == "" for s in stop):
-            raise ApiError(
-                400, "stop strings must not be empty", param="stop", code="invalid_value"
-            )
+            raise _invalid("stop", "stop strings must not be empty")
         return tuple(stop)
 
 
@@ -140,25 +189,19 @@ class CompletionBody(_Sampling):
             code="unsupported",
         )
 
-    def check_supported(self) -> None:
-        unsupported = {
-            "n": self.n != 1,
-            "echo": self.echo,
-            "logprobs": self.logprobs is not None,
-            "best_of": self.best_of not in (None, 1),
-            "suffix": self.suffix is not None,
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "logit_bias": bool(self.logit_bias),
-        }
-        for name, bad in unsupported.items():
-            if bad:
-                raise ApiError(
-                    400,
-                    f"{name} is not supported by jaxlab serve (got {getattr(self, name)!r})",
-                    param=name,
-                    code="unsupported",
-                )
+    def check(self) -> None:
+        super().check()
+        for name, takes in UNSUPPORTED.items():
+            value = getattr(self, name)
+            if (value is None and None in takes) or any(value == v for v in takes if v is not None):
+                continue
+            raise ApiError(
+                400,
+                f"{name} = {shown(value)} is not supported by jaxlab serve; send "
+                f"{' or '.join(json.dumps(v) for v in takes)}, or leave it out",
+                param=name,
+                code="unsupported",
+            )
 
 
 def completion_doc(
@@ -189,12 +232,23 @@ def models_doc(name: str) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON (numbers must be finite)")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or :class:`ApiError` 400."""
+    """The body as a JSON object, or :class:`ApiError` 400 for anything else: invalid
+    JSON, ``NaN``/``Infinity`` (Python's parser takes them, JSON does not), a document
+    nested too deeply for the parser, a body that is not an object."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]  # a hint for servers only
+        raise ApiError(400, f"invalid JSON body: {why}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(
+            400, "invalid JSON body: nested too deeply to parse", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(
             400, f"the body must be a JSON object (got {type(data).__name__})", code="invalid_json"
@@ -202,10 +256,11 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def validate(model: type[M], data: dict[str, Any]) -> M:
-    """``model`` from ``data``, or :class:`ApiError` 422 naming the first bad field."""
+def validate(model: type[B], data: dict[str, Any]) -> B:
+    """``model`` from ``data``, then its :meth:`Body.check`. :class:`ApiError` 422 naming
+    the first field of a wrong type, missing or unknown; 400 for a value out of range."""
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         first = errors[0]
@@ -217,11 +272,17 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
         if first["type"] == "extra_forbidden":
             code = "unknown_field"
         raise ApiError(422, message, param=param, code=code) from None
+    body.check()
+    return body
 
 
 __all__ = [
+    "MAX_SEED",
     "MAX_STOP_STRINGS",
+    "RANGES",
+    "UNSUPPORTED",
     "ApiError",
+    "Body",
     "CompletionBody",
     "GenerateBody",
     "StreamOptions",

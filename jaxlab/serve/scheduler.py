@@ -33,13 +33,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from jaxlab.serve.errors import Cancelled, EngineFailure, ServeError, ShuttingDown
 from jaxlab.serve.metrics import ServeMetrics
 from jaxlab.serve.policy import admission_sizes, pick_slots, split_admission
 from jaxlab.serve.slots import Engine, SlotGroup, SlotGroups
-from jaxlab.serve.waiting import Entry, Waiting
+from jaxlab.serve.waiting import Entry, Output, Waiting
 
 if TYPE_CHECKING:
     from jaxlab.infer.request import Request
@@ -48,22 +48,6 @@ log = logging.getLogger("jaxlab.serve")
 
 #: Token of the padding rows of an admission group (any valid id: the row takes no slot).
 PAD_TOKEN = 0
-
-
-class Output(Protocol):
-    """Where the scheduler reports one request (on the engine thread: never block).
-
-    ``admitted()``: it left the queue, its prefill starts. ``emit(tokens, done)``: new
-    tokens, a stop token included (``done``: the row ended on the device); True means the
-    request is finished (e.g. a stop string matched) and its slot is freed at once.
-    ``fail(error)``: it ended without finishing; its slot, if any, is already free.
-    """
-
-    def admitted(self) -> None: ...
-
-    def emit(self, tokens: list[int], done: bool) -> bool: ...
-
-    def fail(self, error: ServeError) -> None: ...
 
 
 @dataclass
@@ -262,26 +246,51 @@ class Scheduler:
         return taken
 
     def _admit_group(self, group: list[Entry], rows: int) -> None:
-        """One prefill of ``rows`` rows for ``group`` (rows past it are padding, never
-        inserted), then one insert per slot group it lands in."""
+        """Prefill ``group`` as one batch of ``rows`` rows (rows past it are padding, never
+        inserted), then insert it: one insert per slot group its rows land in.
+
+        One request never fails another. Each is prepared alone first (its sampling values
+        in the device's dtypes, kept for the prefill), and when a batched prefill raises,
+        its requests are prefilled again one by one (``(bucket, 1)`` is compiled too).
+        """
         import jax
 
         from jaxlab.infer.sampling import SamplingParams
 
+        ready = []
         for entry in group:
             entry.output.admitted()
-        pad = rows - len(group)
-        prompts = [entry.request.prompt_ids for entry in group] + [(PAD_TOKEN,)] * pad
-        samplings = [entry.request.sampling for entry in group]
-        samplings += [SamplingParams(max_new_tokens=1)] * pad
-        try:
-            pre = self.engine.prefill(prompts, samplings)
-            first, done = jax.device_get((pre.tokens, pre.done))
-        except Exception as e:
-            log.exception("prefill failed for request(s) %s", [entry.id for entry in group])
-            for entry in group:
-                self._fail(entry, EngineFailure(f"prefill failed: {e}"))
-            return
+            try:
+                _ = entry.request.sampling.row
+                ready.append(entry)
+            except Exception as e:  # Request.create's checks keep a checked request out
+                log.error("preparing request %d failed: %s", entry.id, e)
+                self._fail(entry, EngineFailure(f"preparing the request failed: {e}"))
+        parts = [(ready, rows)] if len(ready) > 1 else [([entry], 1) for entry in ready]
+        while parts:
+            part, n = parts.pop(0)
+            prompts = [entry.request.prompt_ids for entry in part]
+            samplings = [entry.request.sampling for entry in part]
+            prompts += [(PAD_TOKEN,)] * (n - len(part))
+            samplings += [SamplingParams(max_new_tokens=1)] * (n - len(part))
+            try:
+                pre = self.engine.prefill(prompts, samplings)
+                first, done = jax.device_get((pre.tokens, pre.done))
+            except Exception as e:
+                if len(part) > 1:
+                    ids = [entry.id for entry in part]
+                    log.warning("prefill of requests %s failed (%r); prefilling each alone", ids, e)
+                    parts = [([entry], 1) for entry in part]
+                    continue
+                log.exception("prefill failed for request %d", part[0].id)
+                self._fail(part[0], EngineFailure(f"prefill failed: {e}"))
+                continue
+            self._insert(part, pre, first, done)
+
+    def _insert(self, group: list[Entry], pre: Any, first: Any, done: Any) -> None:
+        """Put the prefilled rows of ``group`` into free slots (a row done in prefill takes
+        none) and report each request's first token."""
+        pad = len(first) - len(group)
         busy = [entry is not None for entry in self._running]
         free = pick_slots(busy, self.groups.rows, sum(not done[i] for i in range(len(group))))
         slots = [-1 if done[i] else free.pop(0) for i in range(len(group))] + [-1] * pad

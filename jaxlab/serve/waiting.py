@@ -3,9 +3,10 @@
 :class:`Waiting` is the thread-safe side of the scheduler: the HTTP side puts requests in
 and cancels them from its own thread; the engine thread takes them out for admission,
 drops the cancelled and timed-out ones, and sleeps on its condition when idle. Each
-request is an :class:`Entry`, the scheduler's own record of it (slot, deadline, flags),
-never seen outside :mod:`jaxlab.serve.scheduler`. Nothing here touches the device,
-chooses slots or reports to a request's output.
+request is an :class:`Entry`, the scheduler's own record of it (slot, deadline, flags, and
+the :class:`Output` the scheduler reports to), never seen outside
+:mod:`jaxlab.serve.scheduler`. Nothing here touches the device, chooses slots or reports
+to a request's output.
 """
 
 from __future__ import annotations
@@ -15,13 +16,28 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from jaxlab.serve.errors import Cancelled, NotAccepting, QueueFull, RequestTimeout, ServeError
 
 if TYPE_CHECKING:
     from jaxlab.infer.request import Request
-    from jaxlab.serve.scheduler import Output
+
+
+class Output(Protocol):
+    """Where the scheduler reports one request (on the engine thread: never block).
+
+    ``admitted()``: it left the queue, its prefill starts. ``emit(tokens, done)``: new
+    tokens, a stop token included (``done``: the row ended on the device); True means the
+    request is finished (e.g. a stop string matched) and its slot is freed at once.
+    ``fail(error)``: it ended without finishing; its slot, if any, is already free.
+    """
+
+    def admitted(self) -> None: ...
+
+    def emit(self, tokens: list[int], done: bool) -> bool: ...
+
+    def fail(self, error: ServeError) -> None: ...
 
 
 @dataclass(eq=False)
@@ -145,4 +161,4 @@ class Waiting:
             self._cv.wait(timeout=timeout_s)
 
 
-__all__ = ["Entry", "Waiting"]
+__all__ = ["Entry", "Output", "Waiting"]

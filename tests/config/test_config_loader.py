@@ -117,6 +117,12 @@ def test_set_values_parse_as_toml_literals():
         ),
         (["model.mlp=relu"], "expected one of 'swiglu' or 'gelu'"),
         (["tokenizer.vocab_size=100"], "expected >= 258"),
+        (
+            ["inference.top_k=99999999999"],
+            "inference.top_k: top_k must be an integer in [0, 2147483647], 0 = off",
+        ),
+        (["inference.temperature=0.001"], "temperature must be 0 (greedy) or a number in"),
+        (["inference.seed=-1"], "inference.seed: seed must be an integer in [0, 2147483647]"),
     ],
 )
 def test_every_validation_rule_names_field_and_fix(overrides, needle):

@@ -11,7 +11,16 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from jaxlab.infer import SamplingParams, sample, sampling_arrays, top_k_top_p_mask
+from jaxlab.config.ranges import INT32_MAX, SAMPLING_RANGES, Range
+from jaxlab.infer import (
+    BadRequest,
+    Limits,
+    Request,
+    SamplingParams,
+    sample,
+    sampling_arrays,
+    top_k_top_p_mask,
+)
 from jaxlab.infer.sampling import argmax, inverse_cdf, row_keys
 
 B, V = 4, 64
@@ -196,6 +205,61 @@ def test_eos_is_folded_into_the_stop_tokens_once_unless_ignored():
     assert SamplingParams(ignore_eos=True).with_eos(7).stop_token_ids == ()
     assert SamplingParams(top_p=0.0).problem() == (
         "top_p",
-        "top_p must be in (0, 1], 1 = off (got 0.0)",
+        "top_p must be a number in [1e-06, 1], 1 = off (got 0.0)",
     )
     assert sp.problem() is None
+
+
+def _edge_values(valid: Range) -> tuple[list[float], list[object]]:
+    """Values of ``valid``'s field just inside and just outside its range, and extremes."""
+    if valid.integer:
+        lo, hi = int(valid.lo), int(valid.hi)
+        return [lo, hi], [lo - 1, hi + 1, 2**63, -(2**63), 10**400, 1.5, True]
+    inside = [valid.lo, valid.hi, *([0.0] if valid.zero else [])]
+    outside: list[object] = [np.nextafter(valid.hi, np.inf), np.nextafter(valid.lo, -np.inf)]
+    outside += [float("inf"), float("-inf"), float("nan"), 1e309, -(10**400), "1"]
+    return inside, [v for v in outside if not (valid.zero and v == 0)]
+
+
+@pytest.mark.parametrize("field", sorted(SAMPLING_RANGES))
+def test_every_sampling_value_has_a_range_that_its_device_dtype_holds(field):
+    """In range: valid, and its row (the device dtypes) builds and holds the value.
+    Outside: ``problem()`` names the field, the range and the value; the request check
+    (``Request.create``) refuses it with that message, before any device array."""
+    valid = SAMPLING_RANGES[field]
+    inside, outside = _edge_values(valid)
+    for value in inside:
+        sp = SamplingParams(**{field: value})  # type: ignore[arg-type]
+        assert sp.problem() is None, value
+        held = getattr(sp.row, "max_new" if field == "max_new_tokens" else field)
+        assert held == (value if valid.integer else np.float32(value))
+    for value in outside:
+        sp = SamplingParams(**{field: value})  # type: ignore[arg-type]
+        problem = sp.problem()
+        assert problem is not None and problem[0] == field, value
+        assert problem[1].startswith(f"{field} must be {valid.describe()} (got ")
+        with pytest.raises(BadRequest, match=f"^{field} must be") as e:
+            Request.create([1], sp, Limits(vocab_size=8, max_len=4))
+        assert e.value.param == field
+
+
+@SETTINGS
+@given(
+    top_k=st.integers(0, INT32_MAX),
+    seed=st.integers(0, INT32_MAX),
+    temperature=st.floats(0.01, 100.0),
+    top_p=st.floats(1e-6, 1.0),
+)
+def test_a_valid_request_always_has_a_row(top_k, seed, temperature, top_p):
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    assert sp.problem() is None
+    assert (int(sp.row.top_k), int(sp.row.seed)) == (top_k, seed)
+    assert np.float32(0) < sp.row.temperature and np.isfinite(sp.row.temperature)
+    assert np.float32(0) < sp.row.top_p <= np.float32(1)
+
+
+def test_a_value_no_dtype_holds_fails_its_row_naming_the_field():
+    with pytest.raises(ValueError, match="top_k = 1099511627776 does not fit int32"):
+        _ = SamplingParams(top_k=2**40).row
+    with pytest.raises(ValueError, match=r"temperature = .* does not fit float32"):
+        _ = SamplingParams(temperature=10**400).row

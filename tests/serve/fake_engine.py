@@ -10,7 +10,7 @@ what a request gets never depends on its batch, its slot or when it was admitted
 
 For the tests it also records every call (``calls``), counts "compiles" (distinct
 shapes per verb, as ``ShapeKeyedJit`` does), refuses a donated state, and fails or waits
-on demand (:meth:`fail_next`, ``gate``).
+on demand (:meth:`fail_next`, :meth:`fail_prompt`, ``gate``).
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class FakeEngine:
         self.gate = threading.Event()
         self.gate.set()
         self._fail: dict[str, Exception] = {}
+        self._poison: set[tuple[int, ...]] = set()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ facts
@@ -105,6 +106,10 @@ class FakeEngine:
     def fail_next(self, verb: str, error: Exception | None = None) -> None:
         """Make the next call of ``verb`` raise."""
         self._fail[verb] = error or RuntimeError(f"{verb} broke")
+
+    def fail_prompt(self, prompt: Sequence[int]) -> None:
+        """Make every prefill that holds ``prompt`` raise (alone or in a batch)."""
+        self._poison.add(tuple(prompt))
 
     def reference(self, request: Request) -> list[int]:
         """Every token ``request`` gets alone, its stop token included."""
@@ -156,6 +161,8 @@ class FakeEngine:
             bucket = next(b for b in self.buckets if b >= longest)
         assert longest <= bucket <= self.max_len and len(prompts) == len(samplings)
         self._called("prefill", (bucket, len(prompts)), [len(p) for p in prompts])
+        if any(tuple(p) in self._poison for p in prompts):
+            raise RuntimeError("prefill broke on a poisoned prompt")
         st = self.init_decode_state(len(prompts))
         for i, (p, sp) in enumerate(zip(prompts, samplings, strict=True)):
             tok = token_at(p, sp.seed, 0)

@@ -378,7 +378,7 @@ def test_output_processing_that_raises_fails_only_its_request(make, engine):
 
 @pytest.mark.parametrize("verb", ["prefill", "insert", "generate"])
 def test_engine_failures_fail_the_affected_requests_and_serving_goes_on(make, engine, verb):
-    """A failed prefill fails its admission group; a failed insert or chunk fails every
+    """A failed prefill of one request fails it; a failed insert or chunk fails every
     running request (the fixture checks every slot is free after). Serving goes on."""
     sched = make()
     before = submit(sched, req(3, 30))
@@ -396,6 +396,108 @@ def test_engine_failures_fail_the_affected_requests_and_serving_goes_on(make, en
     after = submit(sched, req(7, 9, seed=2))
     settle(sched)
     assert after[0].tokens == engine.reference(req(7, 9, seed=2))
+
+
+def prefills(engine: FakeEngine, since: int) -> list[list[int]]:
+    """The prompt lengths of each prefill since call ``since``."""
+    return [c[1] for c in engine.calls[since:] if c[0] == "prefill"]
+
+
+def unpreparable(n: int, new: int, *, first: int) -> Request:
+    """A request whose top_k no int32 holds: built without ``Request.create``'s check, as
+    a library caller could."""
+    return Request((first,) * n, SamplingParams(max_new_tokens=new, top_k=2**40))
+
+
+def test_a_prefill_that_fails_for_one_request_fails_it_alone(make, engine):
+    """The batched prefill raises because of one prompt: its requests are prefilled again
+    one by one, so only that one fails and the others get what they get alone."""
+    sched = make()
+    sched.pause_admission()
+    reqs = [req(3, 9, first=1), req(5, 9, seed=2, first=2), req(4, 9, seed=3, first=3)]
+    reqs.append(req(6, 9, seed=4, first=4))
+    engine.fail_prompt(reqs[2].prompt_ids)
+    outs = submit(sched, *reqs)
+    n = len(engine.calls)
+    sched.resume_admission()
+    settle(sched)
+    assert isinstance(outs[2].errors[0], EngineFailure)
+    assert "prefill failed: prefill broke on a poisoned prompt" in str(outs[2].errors[0])
+    for r, o in zip(reqs, outs, strict=True):
+        if o is not outs[2]:
+            assert o.tokens == engine.reference(r) and not o.errors
+        assert o.admitted_n == 1
+    # One batch of 4 (sorted by length), then each alone: shapes the warm-up compiled.
+    assert prefills(engine, n) == [[3, 4, 5, 6], [3], [4], [5], [6]]
+    assert engine.compiles == sched.compiles_after_warmup
+
+
+def test_a_request_that_cannot_be_prepared_fails_alone_before_its_batch(make, engine):
+    """A value no device dtype holds fails its own request on the host, before the
+    batched prefill, which the others share as if it had never been there."""
+    sched = make()
+    sched.pause_admission()
+    good = [req(3, 9, first=1), req(5, 9, seed=2, first=2)]
+    outs = submit(sched, good[0], unpreparable(3, 9, first=3), good[1])
+    n = len(engine.calls)
+    sched.resume_admission()
+    settle(sched)
+    assert isinstance(outs[1].errors[0], EngineFailure)
+    assert "top_k = 1099511627776 does not fit int32" in str(outs[1].errors[0])
+    assert outs[0].tokens == engine.reference(good[0])
+    assert outs[2].tokens == engine.reference(good[1])
+    assert prefills(engine, n) == [[3, 5, 1, 1]]  # a group of 4: two rows and padding
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 12), st.sampled_from(["ok", "ok", "bad"])),
+        min_size=1,
+        max_size=10,
+    ),
+    poison=st.booleans(),
+    cut=st.integers(0, 10),
+)
+def test_bad_requests_fail_alone_whatever_the_batch(plan, poison, cut):
+    """Whatever the mix, a request whose prefill fails (``poison``) or which cannot be
+    prepared fails alone, with an EngineFailure; every other one gets what it gets alone,
+    every slot is free afterwards, and nothing compiles."""
+    engine = FakeEngine()
+    sched = Scheduler(
+        engine,
+        slots=4,
+        decode_groups=2,
+        prefill_batch=4,
+        max_queue=16,
+        request_timeout_s=60,
+        chunk_tokens=3,
+    )
+    sched.warmup()
+    try:
+        reqs, bad = [], []
+        for i, (n, new, fate) in enumerate(plan):
+            if fate == "bad" and not poison:
+                reqs.append(unpreparable(n, new, first=i + 1))
+            else:
+                reqs.append(req(n, new, seed=i, first=i + 1))
+                if fate == "bad":
+                    engine.fail_prompt(reqs[-1].prompt_ids)
+            bad.append(fate == "bad")
+        outs = submit(sched, *reqs[:cut])
+        sched.step()  # the rest arrive while these run
+        outs += submit(sched, *reqs[cut:])
+        settle(sched)
+        for r, o, failed in zip(reqs, outs, bad, strict=True):
+            if failed:
+                assert len(o.errors) == 1 and isinstance(o.errors[0], EngineFailure), o.errors
+            else:
+                assert o.tokens == engine.reference(r) and not o.errors
+        assert sched.num_running == 0 and all(g.state.done.all() for g in sched.groups)
+        assert engine.compiles == sched.compiles_after_warmup
+    finally:
+        sched.stop()
+        sched.run()
 
 
 def test_a_failed_free_fails_the_running_requests_and_serving_goes_on(make, engine):

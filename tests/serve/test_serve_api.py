@@ -459,9 +459,9 @@ def test_error_paths_are_openai_shaped_and_never_500(server):
     assert_error(post(gen, json=[1, 2]), 400, "invalid_json")
     assert assert_error(post(gen, json={"prompt": 5}), 422)["param"] == "prompt"
     assert assert_error(post(gen, json={}), 422, "missing")["param"] == "prompt"
-    assert_error(post(gen, json={"prompt": "x", "max_tokens": 0}), 422)
+    assert_error(post(gen, json={"prompt": "x", "max_tokens": 0}), 400, "invalid_value")
     assert_error(post(gen, json={"prompt": "x", "temperature": "hot"}), 422)
-    assert_error(post(gen, json={"prompt": "x", "top_p": 0}), 422)
+    assert_error(post(gen, json={"prompt": "x", "top_p": 0}), 400, "invalid_value")
     assert_error(post(gen, json={"prompt": "x", "tempreature": 1}), 422, "unknown_field")
     assert_error(post(gen, json={"prompt": ""}), 400)
     err = assert_error(post(gen, json={"prompt": "x" * 200}), 400, "context_length_exceeded")

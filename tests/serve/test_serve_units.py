@@ -20,7 +20,14 @@ from jaxlab.serve.errors import (
 )
 from jaxlab.serve.lifecycle import TRANSITIONS, IllegalTransition, Lifecycle, ModelState
 from jaxlab.serve.metrics import ServeMetrics
-from jaxlab.serve.protocol import ApiError, CompletionBody, GenerateBody, parse_json, validate
+from jaxlab.serve.protocol import (
+    RANGES,
+    ApiError,
+    CompletionBody,
+    GenerateBody,
+    parse_json,
+    validate,
+)
 from jaxlab.tokenizer import Detokenizer, byte_tokenizer
 
 S = ModelState
@@ -176,18 +183,68 @@ def test_parse_json_and_validate_errors_are_openai_shaped():
 def test_completion_body_accepts_openai_extras_and_refuses_unsupported_features():
     body = validate(CompletionBody, {"model": "m", "prompt": ["one"], "user": "u", "top_k": 3})
     assert body.single_prompt() == "one" and body.top_k == 3
-    body.check_supported()
+    defaults = {"n": 1, "echo": False, "logprobs": None, "best_of": 1, "presence_penalty": 0}
+    validate(
+        CompletionBody, {"prompt": "a", "frequency_penalty": 0.0, "logit_bias": {}, **defaults}
+    )
     with pytest.raises(ApiError, match="one prompt per request"):
         validate(CompletionBody, {"prompt": ["a", "b"]}).single_prompt()
-    for field, value in (("n", 2), ("echo", True), ("logprobs", 2), ("best_of", 3)):
+    refused = [("n", 2), ("n", -(10**30)), ("echo", True), ("logprobs", 0), ("best_of", 3)]
+    refused += [("presence_penalty", float("nan")), ("logit_bias", {"5": 1.0}), ("suffix", "")]
+    for field, value in refused:
         with pytest.raises(ApiError) as e:
-            validate(CompletionBody, {"prompt": "a", field: value}).check_supported()
-        assert e.value.status == 400 and e.value.param == field
+            validate(CompletionBody, {"prompt": "a", field: value})
+        assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported")
+        assert f"{field} = " in e.value.message and "leave it out" in e.value.message
     assert validate(CompletionBody, {"prompt": "a", "stop": "x"}).stop_strings() == ("x",)
     with pytest.raises(ApiError, match="at most 4"):
-        validate(CompletionBody, {"prompt": "a", "stop": list("abcde")}).stop_strings()
-    with pytest.raises(ApiError):
-        validate(CompletionBody, {"prompt": "a", "temperature": -1.0})
+        validate(CompletionBody, {"prompt": "a", "stop": list("abcde")})
+
+
+@pytest.mark.parametrize("body", [CompletionBody, GenerateBody])
+@pytest.mark.parametrize("field", sorted(RANGES))
+def test_every_numeric_field_out_of_its_range_is_400_naming_the_field_and_the_range(body, field):
+    """Both ends of each range are taken, a step past either end is 400 (not 422: the
+    type is right, the value is not), and the message gives the field, range and value."""
+    valid = RANGES[field]
+    step = 1 if valid.integer else 1e-9
+    for ok in (valid.lo, valid.hi, *([0] if valid.zero else [])):
+        ok = int(ok) if valid.integer else float(ok)
+        assert getattr(validate(body, {"prompt": "a", field: ok}), field) == ok
+    outside = [valid.hi + step, valid.lo - step, -(10**30), 10**30]
+    outside += [-step] if valid.zero else []  # 0 is valid, below it is not
+    outside += [] if valid.integer else [float("inf"), float("-inf"), float("nan")]
+    for bad in outside:
+        bad = int(bad) if valid.integer else float(bad)
+        with pytest.raises(ApiError) as e:
+            validate(body, {"prompt": "a", field: bad})
+        assert (e.value.status, e.value.param, e.value.code) == (400, field, "invalid_value")
+        assert e.value.message.startswith(f"{field} must be {valid.describe()} (got ")
+
+
+def test_wrong_types_stay_422():
+    for field, value in (("top_k", 1.0), ("max_tokens", "5"), ("seed", True), ("top_p", "1")):
+        with pytest.raises(ApiError) as e:
+            validate(GenerateBody, {"prompt": "a", field: value})
+        assert (e.value.status, e.value.param) == (422, field)
+
+
+def test_bodies_that_cannot_be_parsed_are_400_invalid_json():
+    deep = b"[" * 100_000 + b"]" * 100_000
+    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for raw in (
+        deep,
+        nested,
+        b'{"temperature": NaN}',
+        b"[Infinity]",
+        b"\xff\xfe",
+        b"",
+        b"1" * 5000,
+    ):
+        with pytest.raises(ApiError) as e:
+            parse_json(raw)
+        assert (e.value.status, e.value.code) == (400, "invalid_json"), raw[:20]
+    assert parse_json(b'{"temperature": 1e309}') == {"temperature": float("inf")}
 
 
 @pytest.mark.parametrize(
