@@ -190,12 +190,6 @@ def test_checkpoint_step_is_latest_or_a_step_number(in_process, command, value):
 # --------------------------------------------------------------------------- sampling
 
 
-def _sampling_upper_bounds() -> bool:
-    from jaxlab.infer.sampling import SamplingParams
-
-    return SamplingParams(top_k=99_999_999_999).problem() is not None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("option", "value", "says"),
@@ -203,16 +197,7 @@ def _sampling_upper_bounds() -> bool:
         ("--seed", "99999999999", "seed"),
         ("--temperature", "nan", "temperature"),
         ("--top-p", "0", "top_p"),
-        pytest.param(
-            "--top-k",
-            "99999999999",
-            "top_k",
-            marks=pytest.mark.xfail(
-                condition=not _sampling_upper_bounds(),
-                reason="SamplingParams.problem() bounds top_k from above on another branch",
-                strict=True,
-            ),
-        ),
+        ("--top-k", "99999999999", "top_k"),
     ],
 )
 def test_generate_checks_sampling_with_the_servers_ranges_first(tmp_path, option, value, says):
