@@ -113,9 +113,19 @@ def register(app: typer.Typer) -> None:
         _quiet_libraries()
 
         from jaxlab.serve.server import run_server
-        from jaxlab.serve.service import ModelService
+        from jaxlab.serve.service import ModelService, ServedModel
 
-        service = ModelService.from_run_dir(cfg, run_dir, step)
+        def load() -> ServedModel:
+            """``run_dir_loader``'s load, plus one line naming any damaged step skipped."""
+            from jaxlab.infer.engine import Engine
+            from jaxlab.infer.load import load_run
+
+            run = load_run(run_dir, step, cfg=cfg)
+            if run.note is not None:
+                console.print(run.note, markup=False, soft_wrap=True)
+            return ServedModel(Engine(run.graphdef, run.params, run.cfg), run.tokenizer, run.step)
+
+        service = ModelService(cfg, load)
         service.chunk_delay_s = chunk_delay_s
 
         def on_listening(url: str, bound: int) -> None:
