@@ -131,6 +131,8 @@ def register(app: typer.Typer) -> None:
             run = load_run(run_dir, step)
         except CheckpointNotFound as e:
             raise UsageProblem(str(e)) from None
+        if run.note is not None:
+            console.print(run.note, markup=False, soft_wrap=True)
         engine = Engine(run.graphdef, run.params, run.cfg)
         sampling = SamplingParams.from_config(run.cfg.inference, **sampled)
         try:
@@ -172,6 +174,7 @@ def register(app: typer.Typer) -> None:
             "kv_cache": kv_cache,
             "stream": stream,
             "checkpoint_step": run.step,
+            "skipped_checkpoints": [{"step": k.step, "reason": k.reason} for k in run.skipped],
             "platform": engine.platform,
             "precision": engine.precision,
         }

@@ -116,7 +116,10 @@ def register(app: typer.Typer) -> None:
         from jaxlab.serve.server import run_server
         from jaxlab.serve.service import ModelService
 
-        service = ModelService.from_run_dir(cfg, run_dir, step)
+        def note(line: str) -> None:  # a damaged checkpoint skipped: one line
+            console.print(line, markup=False, soft_wrap=True)
+
+        service = ModelService.from_run_dir(cfg, run_dir, step, on_note=note)
         service.chunk_delay_s = chunk_delay_s
 
         def on_listening(url: str, bound: int) -> None:

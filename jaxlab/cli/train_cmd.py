@@ -23,6 +23,7 @@ from jaxlab.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from jaxlab.checkpoint import Restored
     from jaxlab.train.trainer import Trainer
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="The run directory.")]
@@ -145,7 +146,6 @@ def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
             emit_json(
                 {"run_dir": str(p.run_dir), "preempted": True, "step": p.step, "signal": p.signum}
             )
-        trainer.close()
         import signal
 
         raise typer.Exit(
@@ -154,10 +154,12 @@ def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
     except NonFiniteError as e:
         if primary:
             console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
-        trainer.close()
         raise typer.Exit(EXIT_FAILURE) from None
-    trainer.close()
+    finally:
+        trainer.close()
     doc = summary.to_json()
+    if trainer.restored is not None:
+        doc["skipped_checkpoints"] = _skipped(trainer.restored)
     doc["wall_s"] = time.perf_counter() - t0
     if not primary:
         return
@@ -173,6 +175,31 @@ def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
             markup=False,
             soft_wrap=True,
         )
+
+
+def _skipped(restored: Restored[None]) -> list[dict[str, Any]]:
+    return [{"step": s.step, "reason": s.reason} for s in restored.skipped]
+
+
+def _restore(trainer: Trainer, step: str) -> int:
+    """Restore ``step`` into ``trainer`` and say which damaged steps it skipped, if any.
+
+    On any failure the trainer is closed before the error propagates: an open one would
+    leave Orbax's threads running into interpreter shutdown."""
+    from jaxlab.checkpoint import CheckpointNotFound
+
+    try:
+        restored = trainer.restore(step)
+    except CheckpointNotFound as e:
+        trainer.close()
+        raise UsageProblem(str(e)) from None
+    except BaseException:
+        trainer.close()
+        raise
+    note = trainer.restored.note if trainer.restored is not None else None
+    if note is not None and trainer.primary:
+        console.print(note, markup=False, soft_wrap=True)
+    return restored
 
 
 def _configure(cfg: Any) -> None:
@@ -245,14 +272,10 @@ def register(app: typer.Typer) -> None:
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         cfg = rd.load_config(env_may_change=PER_PROCESS_FIELDS)
         _configure(cfg)
-        from jaxlab.checkpoint import CheckpointNotFound
         from jaxlab.train.trainer import Trainer
 
         trainer = Trainer(cfg, run_dir)
-        try:
-            restored = trainer.restore(step)
-        except CheckpointNotFound as e:
-            raise UsageProblem(str(e)) from None
+        restored = _restore(trainer, step)
         console.print(f"resumed from step {restored}", markup=False)
         _run(trainer, steps, json_)
 
@@ -274,16 +297,14 @@ def register(app: typer.Typer) -> None:
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         cfg = rd.load_config(env_may_change=PER_PROCESS_FIELDS)
         _configure(cfg)
-        from jaxlab.checkpoint import CheckpointNotFound
         from jaxlab.train.trainer import Trainer
 
         trainer = Trainer(cfg, run_dir)
-        try:
-            restored = trainer.restore(step)
-        except CheckpointNotFound as e:
-            raise UsageProblem(str(e)) from None
-        result = {"run_dir": str(run_dir), "step": restored, **trainer.evaluate(batches)}
-        trainer.close()
+        restored = _restore(trainer, step)
+        with trainer:
+            result = {"run_dir": str(run_dir), "step": restored, **trainer.evaluate(batches)}
+        assert trainer.restored is not None
+        result["skipped_checkpoints"] = _skipped(trainer.restored)
         if json_:
             emit_json(result)
         else:

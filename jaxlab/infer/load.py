@@ -3,6 +3,8 @@
 The checkpoint is self-contained: its ``meta`` holds the resolved config (TOML) and the
 tokenizer's files. Only the ``params`` subtree of the saved train state is read from disk
 (Orbax partial restore), so no optimizer is built and no optimizer moments are loaded.
+What is read is verified against the checkpoint's checksums; without an explicit step, a
+damaged newest checkpoint is skipped for the newest intact one (``LoadedRun.note``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
@@ -22,27 +24,43 @@ from jaxlab.config.schema import JaxlabConfig
 from jaxlab.model import make_model, split_model
 from jaxlab.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from jaxlab.checkpoint import Skipped
+
 
 @dataclass(frozen=True)
 class LoadedRun:
-    """One checkpoint of a run, ready for an :class:`~jaxlab.infer.engine.Engine`."""
+    """One checkpoint of a run, ready for an :class:`~jaxlab.infer.engine.Engine`.
+
+    ``skipped`` lists the newer checkpoints passed over as unreadable (``note`` says so in
+    one line)."""
 
     graphdef: nnx.GraphDef
     params: nnx.State
     cfg: JaxlabConfig
     tokenizer: Tokenizer
     step: int
+    skipped: tuple[Skipped, ...] = ()
+
+    @property
+    def note(self) -> str | None:
+        """``checkpoint step 60 is unreadable (...); using step 50``, or None."""
+        from jaxlab.checkpoint import Restored
+
+        return Restored(self.step, None, self.skipped).note
 
 
 def load_run(
     run_dir: str | Path, step: int | None = None, *, cfg: JaxlabConfig | None = None
 ) -> LoadedRun:
-    """Restore ``step`` (None = latest) of the run in ``run_dir``.
+    """Restore ``step`` (None = the newest intact checkpoint) of the run in ``run_dir``.
 
     ``cfg`` replaces the saved config (e.g. other ``inference.*`` or ``serve.*`` values);
-    its model section must equal the checkpoint's. Raises ``FileNotFoundError`` for a
-    directory without checkpoints and :class:`~jaxlab.checkpoint.CheckpointNotFound` for a
-    missing step.
+    its model section must equal the checkpoint's. The params read are verified against
+    the checkpoint's checksums. Raises ``FileNotFoundError`` for a directory without
+    checkpoints, :class:`~jaxlab.checkpoint.CheckpointNotFound` for a missing step,
+    :class:`~jaxlab.checkpoint.CheckpointUnreadable` for a damaged explicit ``step`` and
+    :class:`~jaxlab.checkpoint.NoIntactCheckpoint` when every checkpoint is damaged.
     """
     from jaxlab.checkpoint import Checkpointer
     from jaxlab.config import from_toml
@@ -51,30 +69,34 @@ def load_run(
     rd = RunDir(run_dir)
     if not rd.checkpoint_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no checkpoints/)")
-    with _quiet_orbax():
-        ck = Checkpointer(rd.checkpoint_dir, read_only=True)
-    try:
-        resolved = ck.resolve_step(step)
-        meta = ck.restore_meta(resolved)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def read(s: int) -> tuple[JaxlabConfig, Tokenizer, nnx.GraphDef, nnx.State]:
+        meta = ck.restore_meta(s)
         saved_cfg = from_toml(meta["config"]) if "config" in meta else rd.load_config()
-        if cfg is None:
-            cfg = saved_cfg
-        elif cfg.model != saved_cfg.model:
+        run_cfg = saved_cfg if cfg is None else cfg
+        if run_cfg.model != saved_cfg.model:
             raise ValueError("cfg.model differs from the checkpoint's model config")
         tokenizer = _load_tokenizer(meta, rd.tokenizer_dir)
-        model_cfg, precision = cfg.model, cfg.train.precision
+        model_cfg, precision = run_cfg.model, run_cfg.train.precision
         graphdef, abstract = split_model(
             nnx.eval_shape(lambda: make_model(model_cfg, precision, 0))
         )
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
         )
+        params = ck.restore_subset(s, {"params": abstract})["params"]
+        return run_cfg, tokenizer, graphdef, params
+
+    with _quiet_orbax():
+        ck = Checkpointer(rd.checkpoint_dir, read_only=True)
+    try:
         with _quiet_orbax():
-            params = ck.restore_subset(resolved, {"params": abstract})["params"]
+            restored = ck.restore_intact(step, read)
     finally:
         ck.close()
-    return LoadedRun(graphdef, params, cfg, tokenizer, resolved)
+    run_cfg, tokenizer, graphdef, params = restored.value
+    return LoadedRun(graphdef, params, run_cfg, tokenizer, restored.step, restored.skipped)
 
 
 @contextmanager

@@ -89,14 +89,25 @@ def _thaw_startup_heap() -> None:
             gc.unfreeze()
 
 
-def run_dir_loader(run_dir: str | Path, step: int | None, cfg: JaxlabConfig) -> ModelLoader:
-    """A loader restoring ``step`` (None = latest) of a run with ``cfg``'s inference section."""
+def run_dir_loader(
+    run_dir: str | Path,
+    step: int | None,
+    cfg: JaxlabConfig,
+    on_note: Callable[[str], None] | None = None,
+) -> ModelLoader:
+    """A loader restoring ``step`` (None = latest) of a run with ``cfg``'s inference section.
+
+    ``on_note`` hears the one line that names damaged checkpoints skipped on the way
+    (``LoadedRun.note``), if any.
+    """
 
     def load() -> ServedModel:
         from jaxlab.infer.engine import Engine
         from jaxlab.infer.load import load_run
 
         run = load_run(run_dir, step, cfg=cfg)
+        if run.note is not None and on_note is not None:
+            on_note(run.note)
         return ServedModel(Engine(run.graphdef, run.params, run.cfg), run.tokenizer, run.step)
 
     return load
@@ -133,9 +144,14 @@ class ModelService:
 
     @classmethod
     def from_run_dir(
-        cls, cfg: JaxlabConfig, run_dir: str | Path, step: int | None = None
+        cls,
+        cfg: JaxlabConfig,
+        run_dir: str | Path,
+        step: int | None = None,
+        *,
+        on_note: Callable[[str], None] | None = None,
     ) -> ModelService:
-        return cls(cfg, run_dir_loader(run_dir, step, cfg))
+        return cls(cfg, run_dir_loader(run_dir, step, cfg, on_note))
 
     @classmethod
     def from_engine(

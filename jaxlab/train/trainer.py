@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxlab.checkpoint import Checkpointer
+from jaxlab.checkpoint import Checkpointer, Restored
 from jaxlab.config import JaxlabConfig
 from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
 from jaxlab.data.cache import default_cache_dir
@@ -233,6 +233,7 @@ class Trainer:
         self.eval_fn = ShapeKeyedJit(
             make_eval_step(self.graphdef), name="eval_step", out_shardings=replicated
         )
+        self.restored: Restored[None] | None = None  # the last restore()'s step and skips
         self.checkpointer = Checkpointer(
             self.run_dir.checkpoint_dir,
             every_steps=cfg.checkpoint.every_steps,
@@ -258,13 +259,35 @@ class Trainer:
         return int(self.state["step"])
 
     def restore(self, step: int | str | None = "latest") -> int:
-        """Load a checkpoint into the trainer's state; returns its step."""
+        """Load a checkpoint into the trainer's state; returns its step.
+
+        An explicit step is exactly that step; 'latest' is the newest intact one, and
+        ``self.restored.note`` then names any damaged steps it skipped.
+        """
         target = abstract_like(self.state)
-        restored, meta = self.checkpointer.restore(step, target)
+        report = self.checkpointer.restore_intact(
+            step, lambda s: self.checkpointer.restore(s, target)
+        )
+        restored, meta = report.value
         if meta.get("tokenizer_sha256") not in (None, self.tokenizer.sha256):
             raise ValueError("checkpoint tokenizer differs from the run's tokenizer")
         self.state = restored
+        self.restored = Restored(report.step, None, report.skipped)
         return self.step
+
+    def _set_aside_unreadable(self) -> None:
+        """The restore skipped damaged newer steps: move them out of the way (bytes kept), or
+        the saves of those step numbers that this run is about to make would be refused."""
+        skipped = [k.step for k in self.restored.skipped] if self.restored is not None else []
+        if not skipped:
+            return
+        if self.primary:
+            moved = self.checkpointer.set_aside(skipped)
+            if moved:
+                where = ", ".join(str(p) for p in moved)
+                self.observer.on_event(f"set aside damaged checkpoint(s): {where}")
+        barrier("jaxlab-checkpoints-set-aside")
+        self.checkpointer.reload()
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -319,6 +342,7 @@ class Trainer:
         cfg = self.cfg
         stop_at = stop_at or cfg.train.steps
         start = self.step
+        self._set_aside_unreadable()
         self.observer.on_start(self, start, stop_at)
         if self.peak_gflops is None:
             self.peak_gflops = matmul_peak_gflops(cfg.train.precision.compute_dtype)
@@ -459,7 +483,14 @@ class Trainer:
         )
 
     def close(self) -> None:
+        """Wait for a save in flight and release the checkpointer; safe to call twice."""
         self.checkpointer.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def evaluate_params(
