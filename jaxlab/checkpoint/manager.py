@@ -165,6 +165,17 @@ def _report_read_leftovers_quietly() -> None:
 
     hook.jaxlab_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+    # The third kind: an abandoned read task whose exception nobody retrieved, which asyncio
+    # logs (at ERROR, with TensorStore's whole spec) when the task is collected.
+    logging.getLogger("asyncio").addFilter(_abandoned_orbax_tasks)
+
+
+def _abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
+    msg = record.getMessage()
+    if msg.startswith("Task exception was never retrieved") and "orbax" in msg:
+        log.debug("after a failed checkpoint read: %s", msg.splitlines()[0])
+        return False
+    return True
 
 
 def _all_processes_agree(ok: bool) -> bool:

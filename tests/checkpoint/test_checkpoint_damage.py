@@ -218,3 +218,24 @@ def test_a_writer_deletes_interrupted_saves_before_it_returns(ckdir):
     finally:
         ck.close()
     ck.close()  # twice is fine
+
+
+def test_an_abandoned_orbax_read_task_is_logged_at_debug_only(caplog):
+    """asyncio reports a collected task whose exception nobody retrieved at ERROR, spec and
+    all; after a failed checkpoint read those are Orbax's abandoned reads: debug only. Any
+    other never-retrieved exception is still reported."""
+    import logging
+
+    from jaxlab.checkpoint import manager
+
+    manager._report_read_leftovers_quietly()
+    asyncio_log = logging.getLogger("asyncio")
+    with caplog.at_level(logging.DEBUG):
+        asyncio_log.error(
+            "Task exception was never retrieved\nfuture: <Task finished coro=<_read() "
+            "at .../orbax/checkpoint/serialization.py:1> exception=ValueError('spec')>"
+        )
+        asyncio_log.error("Task exception was never retrieved\nfuture: <Task coro=<mine()>>")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage().splitlines()[1] for r in errors] == ["future: <Task coro=<mine()>>"]
+    assert any("after a failed checkpoint read" in r.getMessage() for r in caplog.records)
