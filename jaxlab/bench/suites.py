@@ -44,6 +44,7 @@ BUILTIN_SUITE_MODULES: tuple[str, ...] = (
     "jaxlab.bench.tokenizer_suite",
     "jaxlab.bench.compile",
     "jaxlab.bench.model_suites",
+    "jaxlab.bench.kernel_suites",
     "jaxlab.bench.infer_suites",
     "jaxlab.bench.peer_suite",
     "jaxlab.bench.serve_suite",

@@ -111,12 +111,13 @@ class ModelConfig(Section):
     tie_embeddings: bool = False
     dropout_rate: float = Field(default=0.0, ge=0.0, lt=1.0)
     norm_eps: float = Field(default=1e-6, gt=0)
-    attention_impl: Literal["auto", "reference", "xla", "xla_cpu", "xla_tpu"] = Field(
+    attention_impl: Literal["auto", "reference", "xla", "xla_cpu", "xla_tpu", "pallas"] = Field(
         default="auto",
         description=(
             "Attention kernel (jaxlab.kernels): 'reference' the textbook einsum, 'xla'"
             " jax.nn.dot_product_attention, 'xla_cpu' / 'xla_tpu' layouts tuned for XLA on"
-            " that platform; 'auto' = xla_cpu on CPU, xla_tpu on TPU, xla elsewhere."
+            " that platform, 'pallas' flash attention in Pallas (interpret mode on the CPU);"
+            " 'auto' = xla_cpu on CPU, xla_tpu on TPU, xla elsewhere."
             " 'einsum' (older configs) = xla_cpu."
         ),
     )

@@ -14,6 +14,8 @@ paged cache) is a new module here, not a change to the model.
                (default on the CPU)
 ``xla_tpu``    ``xla``'s sequence attention; a lane-dense ``[B, S, K * D]`` decode cache
                read by one-hot-segmented dots, so no TPU tile is padded (default on TPU)
+``pallas``     flash attention written in Pallas (online softmax over tiles, causal tiles
+               skipped, custom VJP; interpret mode on the CPU); ``xla``'s decode cache
 =============  ==========================================================================
 
 ``auto`` is resolved once, when the model is built, from the JAX backend
@@ -25,13 +27,16 @@ paged cache) is a new module here, not a change to the model.
 from __future__ import annotations
 
 from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache
+from jaxlab.kernels.pallas import Pallas
 from jaxlab.kernels.reference import Reference
 from jaxlab.kernels.xla import Xla
 from jaxlab.kernels.xla_cpu import XlaCpu
 from jaxlab.kernels.xla_tpu import XlaTpu
 
 #: Every kernel, by the name ``model.attention_impl`` uses.
-KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (Reference(), Xla(), XlaCpu(), XlaTpu())}
+KERNELS: dict[str, AttentionKernel] = {
+    k.name: k for k in (Reference(), Xla(), XlaCpu(), XlaTpu(), Pallas())
+}
 
 #: What ``auto`` means on each JAX platform; any other platform gets ``xla``.
 AUTO = {"cpu": "xla_cpu", "tpu": "xla_tpu"}

@@ -1,7 +1,8 @@
 """Every attention kernel equals the reference kernel.
 
 Sequence attention (causal, packed segments) and every cache operation (fill, write,
-attention over the cache, insert, leading rows) of ``xla`` and ``xla_cpu`` are checked
+attention over the cache, insert, leading rows) of ``xla``, ``xla_cpu`` and ``xla_tpu``,
+and the cache operations of ``pallas``, are checked
 against :mod:`jaxlab.kernels.reference` on the same inputs, for MHA, GQA and MQA, with
 hypothesis choosing the data: segment boundaries, write starts (past the cache too, where
 writes must be dropped) and query positions (at and around the blocked cache's block
@@ -30,6 +31,9 @@ from jaxlab.kernels.reference import attention
 
 SETTINGS = settings(max_examples=10, deadline=None, derandomize=True)
 FAST = ["xla", "xla_cpu", "xla_tpu"]
+#: Kernels whose cache methods are checked here; ``pallas``'s sequence attention (a Pallas
+#: kernel, slow to compile in interpret mode) is checked in ``test_pallas_flash.py``.
+CACHED = [*FAST, "pallas"]
 REF = KERNELS["reference"]
 B, H, D = 3, 4, 8
 S = 96  # cache slots: the blocked layout splits it into 4 blocks of 24
@@ -163,7 +167,7 @@ def cache_ops(name: str, n_kv: int, t: int):
     return jax.jit(run)
 
 
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("name", CACHED)
 @pytest.mark.parametrize("n_kv", [1, 2, 4])
 @pytest.mark.parametrize("t", [1, 3])
 @SETTINGS
@@ -198,7 +202,7 @@ def test_cache_fill_write_and_attend_equal_the_reference(name, n_kv, t, starts, 
     np.testing.assert_array_equal(np.asarray(ref_k), want)
 
 
-@pytest.mark.parametrize("name", [*FAST, "reference"])
+@pytest.mark.parametrize("name", [*CACHED, "reference"])
 def test_insert_and_leading_rows_equal_the_reference(name: str) -> None:
     kern = KERNELS[name]
     n_kv = 2
@@ -219,7 +223,7 @@ def test_insert_and_leading_rows_equal_the_reference(name: str) -> None:
     np.testing.assert_array_equal(np.asarray(lead_k), np.asarray(big_k)[:2])
 
 
-@pytest.mark.parametrize("name", [*FAST, "reference"])
+@pytest.mark.parametrize("name", [*CACHED, "reference"])
 def test_init_cache_is_zero_in_the_asked_dtype(name: str) -> None:
     cache = KERNELS[name].init_cache(2, S, 1, D, jnp.bfloat16)
     k, v = KERNELS[name].to_bskd(cache)
