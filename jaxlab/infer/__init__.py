@@ -5,6 +5,7 @@
                    ``generate``, compiled once per shape and counted
 ``steps``          the pure functions it jits: prefill, the decode step and loop, insert
 ``state``          :class:`DecodeState`: the cache and per-row bookkeeping
+``pages``          :class:`PagePool`: the paged cache's pages per sequence, prefix caching
 ``sampling``       per-request sampling as per-row arrays; ``sample``
 ``request``        :class:`Request`: the one request type, checked once
 ``offline``        :func:`generate` / :func:`stream` over the engine's verbs
@@ -22,6 +23,7 @@ from jaxlab.infer.load import LoadedRun, load_run
 from jaxlab.infer.measure import measure_generate
 from jaxlab.infer.naive import NaiveEngine, NaiveState, naive_step
 from jaxlab.infer.offline import Generation, Result, Stream, generate, stream
+from jaxlab.infer.pages import Admission, PagePool
 from jaxlab.infer.request import BadRequest, Limits, Request, RequestError, RequestTooLong
 from jaxlab.infer.sampling import (
     MAX_STOP_TOKENS,
@@ -37,6 +39,7 @@ from jaxlab.infer.steps import NO_TOKEN, Weights, decode_step
 __all__ = [
     "MAX_STOP_TOKENS",
     "NO_TOKEN",
+    "Admission",
     "BadRequest",
     "DecodeState",
     "Engine",
@@ -45,6 +48,7 @@ __all__ = [
     "LoadedRun",
     "NaiveEngine",
     "NaiveState",
+    "PagePool",
     "Prefill",
     "Request",
     "RequestError",

@@ -22,6 +22,7 @@ per (k, slots), ``insert`` once per (prefix rows, slots).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -290,4 +291,19 @@ class Engine:
         return fn(self.weights(params), state)
 
 
-__all__ = ["Engine", "Prefill", "default_buckets", "put"]
+@dataclass(frozen=True)
+class Chunk:
+    """A stand-in for the paged engine's ``Chunk`` (issue #33's shared design), so serving
+    can be written against it before the paged engine lands: positions ``start ..
+    start + len(tokens) - 1`` of one sequence, its page list, and, for its ``last`` chunk,
+    the key index ``generated`` of the token it samples."""
+
+    tokens: Sequence[int]
+    start: int
+    pages: Sequence[int]
+    sampling: SamplingParams
+    last: bool = True
+    generated: int = 0
+
+
+__all__ = ["Chunk", "Engine", "Prefill", "default_buckets", "put"]
