@@ -127,14 +127,17 @@ def interference_case(run: PagedRun) -> Iterator[Record]:
                     f"interference: prefill_chunk_tokens={c}, "
                     f"{'with' if arrivals else 'no'} arrivals, round {rnd + 1}"
                 )
+                before = _preemptions(url)
                 if arrivals:
                     load, came = closed_loop_with_arrivals(
                         url, streams, STREAMS, arrival_body(rnd), interval, api_key=run.api_key
                     )
                 else:
                     load, came = run.closed(url, streams, STREAMS), None
+                after = _preemptions(url)
+                preempted = None if before is None or after is None else after - before
                 side = {**case, "prefill_chunk_tokens": c, "arrivals": arrivals, "round": rnd}
-                rec = _itl_record(ctx, load, came, side, interval)
+                rec = _itl_record(ctx, load, came, side, interval, preempted)
                 p99[(c, arrivals)].append(rec.derived.get("itl_p99_s") if rec.ok else None)
                 yield rec
     for c in (chunk, 0):
@@ -157,12 +160,23 @@ def interference_case(run: PagedRun) -> Iterator[Record]:
         )
 
 
+def _preemptions(url: str) -> float | None:
+    """The server's preemptions so far (None: it does not say)."""
+    from jaxlab.bench.timeline import PREEMPTIONS, scrape
+
+    try:
+        return scrape(url, [PREEMPTIONS]).get(PREEMPTIONS)
+    except OSError:
+        return None
+
+
 def _itl_record(
     ctx: BenchContext,
     load: LoadResult,
     arrivals: LoadResult | None,
     case: Mapping[str, CaseValue],
     interval_s: float,
+    preemptions: float | None,
 ) -> Record:
     """``running_itl_s``: the streams' gaps while all of them ran (module docstring)."""
     if load.errors:
@@ -181,6 +195,8 @@ def _itl_record(
         "window_s": window[1] - window[0],
         "tokens_per_event": tokens_per_event(load.results),
         "output_tokens_per_s": load.output_tokens_per_s,
+        # A preempted stream is recomputed: its gap then holds a prefill, not interference.
+        "preemptions": preemptions,
     }
     if arrivals is not None:
         derived |= {

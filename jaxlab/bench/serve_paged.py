@@ -270,7 +270,7 @@ def _sampled(
 
 
 def memory_case(run: PagedRun) -> Iterator[Record]:
-    from jaxlab.bench.timeline import KV_USAGE, RUNNING
+    from jaxlab.bench.timeline import PREEMPTIONS, RUNNING
     from jaxlab.serve.loadgen import completion_bodies, make_prompts
 
     ctx, sh, plan = run.ctx, run.shapes, run.plan
@@ -311,12 +311,13 @@ def memory_case(run: PagedRun) -> Iterator[Record]:
             peaks[slots].append(sampler.peak(RUNNING))
             if slots == PAGED_SLOTS and timeline is None:
                 timeline = sampler
-            usage_peak = sampler.peak(KV_USAGE)
+            pages = [p for p in sampler.pages_used(pool) if p is not None]
             extra = {
                 "running_peak": sampler.peak(RUNNING),
                 "running_mean": sampler.mean(RUNNING),
                 "decoding_peak": decoding_peak(load.ok),
-                "pages_peak": None if usage_peak is None else round(usage_peak * pool),
+                "pages_peak": max(pages, default=None),
+                "preemptions": sampler.growth(PREEMPTIONS),
                 "gauge_scrapes": len(sampler.t_s),
                 "scrape_errors": sampler.errors,
                 "decode_groups": server.decode_groups,

@@ -87,7 +87,7 @@ class Server:
     @property
     def num_pages(self) -> int | None:
         """The pool's pages as the server reports them, else as its config sizes them."""
-        reported = self.info.get("num_pages")
+        reported = self.info.get("kv_pages")
         return int(reported) if reported is not None else pool_pages(self.cfg)
 
 

@@ -23,8 +23,12 @@ from urllib.parse import urlsplit
 
 RUNNING = "jaxlab_num_requests_running"
 WAITING = "jaxlab_num_requests_waiting"
+PAGES_USED = "jaxlab_kv_cache_pages_used"
+PAGES_TOTAL = "jaxlab_kv_cache_pages_total"
 KV_USAGE = "jaxlab_kv_cache_usage_ratio"
-GAUGES = (RUNNING, WAITING, KV_USAGE)
+#: A counter, read like a gauge: its growth over a run is the run's preemptions.
+PREEMPTIONS = "jaxlab_num_preemptions_total"
+GAUGES = (RUNNING, WAITING, PAGES_USED, PAGES_TOTAL, KV_USAGE, PREEMPTIONS)
 
 
 def timeline_plot_path(suite: str) -> str:
@@ -54,23 +58,49 @@ def parse_gauges(text: str, names: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def _get_metrics(
+    conn: http.client.HTTPConnection, path: str, names: Sequence[str]
+) -> dict[str, float]:
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    body = resp.read().decode()
+    if resp.status != 200:
+        raise OSError(f"GET {path}: {resp.status}")
+    return parse_gauges(body, names)
+
+
+def _endpoint(url: str) -> tuple[str, int, str]:
+    """(host, port, path of /metrics) of a server's base ``url``."""
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80, parts.path.rstrip("/") + "/metrics"
+
+
+def scrape(url: str, names: Sequence[str] = GAUGES) -> dict[str, float]:
+    """One read of ``<url>/metrics``: the values of ``names`` it has. Raises OSError."""
+    host, port, path = _endpoint(url)
+    conn = http.client.HTTPConnection(host, port, timeout=5.0)
+    try:
+        return _get_metrics(conn, path, names)
+    except http.client.HTTPException as e:
+        raise OSError(f"GET {path}: {e}") from None
+    finally:
+        conn.close()
+
+
 class GaugeSampler:
     """Scrape ``<url>/metrics`` every ``interval_s`` seconds on a thread, between
     :meth:`start` and :meth:`stop` (or as a context manager).
 
     ``t_s[i]`` is the time of sample ``i`` in seconds since :meth:`start`; ``values[name][i]``
     its value (NaN when that scrape failed or lacked the gauge; ``errors`` counts failed
-    scrapes). Samples are due at fixed times ``i * interval_s``; a late scrape does not
+    scrapes). A counter is read by its exported name (``..._total``). Samples are due at fixed times ``i * interval_s``; a late scrape does not
     shift the ones after it.
     """
 
     def __init__(
         self, url: str, names: Sequence[str] = GAUGES, *, interval_s: float = 0.05
     ) -> None:
-        parts = urlsplit(url)
-        self._host = parts.hostname or "127.0.0.1"
-        self._port = parts.port or 80
-        self._path = parts.path.rstrip("/") + "/metrics"
+        self._host, self._port, self._path = _endpoint(url)
         self.names = tuple(names)
         self.interval_s = interval_s
         self.t_s: list[float] = []
@@ -78,14 +108,6 @@ class GaugeSampler:
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def _scrape(self, conn: http.client.HTTPConnection) -> dict[str, float]:
-        conn.request("GET", self._path)
-        resp = conn.getresponse()
-        body = resp.read().decode()
-        if resp.status != 200:
-            raise OSError(f"GET {self._path}: {resp.status}")
-        return parse_gauges(body, self.names)
 
     def _run(self) -> None:
         conn = http.client.HTTPConnection(self._host, self._port, timeout=5.0)
@@ -95,7 +117,7 @@ class GaugeSampler:
             while not self._stop.is_set():
                 t = time.perf_counter() - t0
                 try:
-                    got = self._scrape(conn)
+                    got = _get_metrics(conn, self._path, self.names)
                 except (OSError, http.client.HTTPException):
                     self.errors += 1
                     got = {}
@@ -134,25 +156,37 @@ class GaugeSampler:
         seen = [v for v in self.values.get(name, []) if v == v]
         return sum(seen) / len(seen) if seen else None
 
+    def growth(self, name: str) -> float | None:
+        """Last minus first value read of ``name`` (a counter's increase over the run)."""
+        seen = [v for v in self.values.get(name, []) if v == v]
+        return seen[-1] - seen[0] if seen else None
+
+    def pages_used(self, num_pages: int | None = None) -> list[float | None]:
+        """Pages in use per sample: the pages-used gauge, or for a server without one the
+        cache-usage ratio times ``num_pages`` (all None without either)."""
+        if any(v == v for v in self.values.get(PAGES_USED, [])):
+            return self._col(PAGES_USED)
+        if num_pages is None:
+            return [None] * len(self.t_s)
+        return self._col(KV_USAGE, float(num_pages))
+
+    def _col(self, name: str, scale: float = 1.0) -> list[float | None]:
+        return [None if v != v else round(v * scale) for v in self.values.get(name, [])]
+
     def timeline(self, num_pages: int | None) -> dict[str, Any]:
         """The series as a record's ``derived["timeline"]``: times, the running batch, the
-        waiting queue and pages in use (the cache-usage gauge times ``num_pages``)."""
-
-        def col(name: str, scale: float = 1.0, digits: int = 0) -> list[float | None]:
-            return [None if v != v else round(v * scale, digits) for v in self.values[name]]
-
-        out: dict[str, Any] = {
+        waiting queue and pages in use (:meth:`pages_used`) out of ``num_pages``."""
+        has_gauge = any(v == v for v in self.values.get(PAGES_USED, []))
+        return {
             "interval_s": self.interval_s,
             "t_s": [round(t, 4) for t in self.t_s],
-            "running": col(RUNNING),
-            "waiting": col(WAITING),
+            "running": self._col(RUNNING),
+            "waiting": self._col(WAITING),
+            "pages_used": self.pages_used(num_pages),
+            "pages_source": PAGES_USED if has_gauge else f"{KV_USAGE} x num_pages",
+            "num_pages": num_pages,
             "scrape_errors": self.errors,
         }
-        if num_pages is not None:
-            out["num_pages"] = num_pages
-            out["pages_used"] = col(KV_USAGE, float(num_pages))
-            out["pages_source"] = f"{KV_USAGE} x num_pages"
-        return out
 
 
 def write_timeline_plot(timeline: Mapping[str, Any], path: Path, title: str) -> str | None:
@@ -169,7 +203,7 @@ def write_timeline_plot(timeline: Mapping[str, Any], path: Path, title: str) -> 
         fig = Figure(figsize=(8, 5), layout="constrained")
         top, bottom = fig.subplots(2, 1, sharex=True)
         pages = timeline.get("pages_used")
-        if pages is not None:
+        if pages is not None and any(p is not None for p in pages):
             top.plot(t, _nan(pages), color="#4C72B0", label="pages in use", drawstyle="steps-post")
             if timeline.get("num_pages"):
                 top.axhline(timeline["num_pages"], color="#C44E52", ls="--", label="pool")
@@ -202,11 +236,15 @@ def _nan(values: Sequence[float | None]) -> list[float]:
 __all__ = [
     "GAUGES",
     "KV_USAGE",
+    "PAGES_TOTAL",
+    "PAGES_USED",
+    "PREEMPTIONS",
     "RUNNING",
     "TIMELINE_MISSING",
     "WAITING",
     "GaugeSampler",
     "parse_gauges",
+    "scrape",
     "timeline_plot_path",
     "write_timeline_plot",
 ]

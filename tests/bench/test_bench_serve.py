@@ -210,6 +210,7 @@ def test_memory_case_gives_64_slots_the_pool_of_16(serve_run):
         assert (side.case["prompt_len"], side.case["new_tokens"]) == (8, 8)
         d = side.derived
         assert d["errors"] == 0 and d["scrape_errors"] == 0 and d["gauge_scrapes"] > 0
+        assert d["preemptions"] is not None
         assert 0 < d["running_peak"] <= side.case["slots"]
         assert d["pages_peak"] <= pool
     # What the clients saw streaming at once (no scrape can miss it).
@@ -255,7 +256,7 @@ def test_interference_case_measures_per_token_gaps_with_and_without_chunking(ser
             # One token per SSE event, but for a token ending mid UTF-8 character.
             assert 1.0 <= d["tokens_per_event"] < 1.2
             assert d["itl_p99_s"] == pytest.approx(rec.stats.p99)
-            assert d["window_s"] > 0
+            assert d["window_s"] > 0 and d["preemptions"] is not None
             if arrivals:
                 assert d["arrivals"] > 0 and d["arrival_errors"] == 0
                 assert d["arrival_interval_s"] > 0

@@ -13,10 +13,13 @@ from jaxlab.bench.context import BenchContext
 from jaxlab.bench.record import RECORDS_FILENAME, Environment, RecordWriter
 from jaxlab.bench.timeline import (
     KV_USAGE,
+    PAGES_USED,
+    PREEMPTIONS,
     RUNNING,
     WAITING,
     GaugeSampler,
     parse_gauges,
+    scrape,
     write_timeline_plot,
 )
 from jaxlab.config import JaxlabConfig
@@ -34,17 +37,22 @@ def test_parse_gauges_reads_unlabelled_samples_only():
 
 
 class _MetricsServer:
-    """A loopback HTTP server whose ``/metrics`` renders a real :class:`ServeMetrics`."""
+    """A loopback HTTP server whose ``/metrics`` renders a real :class:`ServeMetrics`, less
+    the lines of the metrics named in ``hide`` (a server that predates them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hide: tuple[str, ...] = ()) -> None:
         self.metrics = ServeMetrics()
         metrics = self.metrics
+
+        def render() -> bytes:
+            lines = metrics.render().decode().splitlines(keepends=True)
+            return "".join(x for x in lines if not any(h in x for h in hide)).encode()
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
-                body = metrics.render() if self.path == "/metrics" else b""
+                body = render() if self.path == "/metrics" else b""
                 self.send_response(200 if body else 404)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -63,7 +71,7 @@ class _MetricsServer:
 
 
 def test_sampler_scrapes_the_gauges_at_a_fixed_interval():
-    srv = _MetricsServer()
+    srv = _MetricsServer(hide=(PAGES_USED,))
     try:
         srv.metrics.running.set(3)
         srv.metrics.kv_usage.set(0.5)
@@ -79,10 +87,29 @@ def test_sampler_scrapes_the_gauges_at_a_fixed_interval():
     assert sampler.peak(RUNNING) == 12.0 and 3.0 < (sampler.mean(RUNNING) or 0) < 12.0
     series = sampler.timeline(num_pages=64)
     assert series["num_pages"] == 64 and series["interval_s"] == 0.01
-    assert set(series["pages_used"]) == {32.0, 48.0}, "usage ratio x pages"
+    assert set(series["pages_used"]) == {32.0, 48.0}, "no pages gauge: usage ratio x pages"
+    assert series["pages_source"] == f"{KV_USAGE} x num_pages"
     assert len(series["t_s"]) == len(series["running"]) == len(series["waiting"])
     json.dumps(series)  # a record's derived value
-    assert "pages_used" not in sampler.timeline(num_pages=None)
+    assert set(sampler.timeline(num_pages=None)["pages_used"]) == {None}
+
+
+def test_sampler_prefers_the_pages_gauge_and_reads_counter_growth():
+    srv = _MetricsServer()
+    try:
+        srv.metrics.pages_used.set(10)
+        srv.metrics.kv_usage.set(0.5)
+        with GaugeSampler(srv.url, interval_s=0.01) as sampler:
+            threading.Event().wait(0.05)
+            srv.metrics.preemptions.inc(3)
+            srv.metrics.pages_used.set(20)
+            threading.Event().wait(0.05)
+    finally:
+        srv.close()
+    assert set(sampler.pages_used(num_pages=64)) == {10.0, 20.0}
+    assert sampler.timeline(64)["pages_source"] == PAGES_USED
+    assert sampler.growth(PREEMPTIONS) == 3.0
+    assert sampler.growth("jaxlab_absent") is None
 
 
 def test_sampler_counts_failed_scrapes_and_keeps_going():
@@ -131,3 +158,14 @@ def test_the_report_draws_the_timeline_a_record_carries(tmp_path):
     ctx.writer.write(rec)
     result = write_report(tmp_path)
     assert tmp_path / "plots" / "serve-timeline.png" in result.plots
+
+
+def test_scrape_reads_once_and_raises_when_nobody_answers():
+    srv = _MetricsServer()
+    try:
+        srv.metrics.preemptions.inc(2)
+        assert scrape(srv.url, [PREEMPTIONS, RUNNING]) == {PREEMPTIONS: 2.0, RUNNING: 0.0}
+    finally:
+        srv.close()
+    with pytest.raises(OSError):
+        scrape(srv.url)
