@@ -4,10 +4,12 @@ already decoding, with chunked prefill and without.
 ``interference_itl_p99_ratio``: 8 long streams decode while prompts of 224 tokens arrive at
 a fixed interval, against two 16-slot servers, one with chunked prefill
 (``serve.prefill_chunk_tokens``; a config that sets 0 measures the default) and one
-without (0). The interval is twice a lone arrival's TTFT on the chunked server, the same
-for both servers: prefill is busy about half the time. Each round measures each server
-without arrivals, then with them (the servers alternate from round to round); the ratio
-is the p99 gap between a stream's tokens with arrivals over the same server's without.
+without (0). The interval, the same for both servers, is twice the TTFT an arrival sees
+on the chunked server while the streams decode (``loaded_arrival_ttft_s``, measured with
+arrivals 8 lone TTFTs apart): arrivals keep coming without piling up in the queue. Each
+round measures each server without arrivals, then with them (the servers alternate from
+round to round); the ratio is the p99 gap between a stream's tokens with arrivals over
+the same server's without.
 Target: at most 2x with chunking; the unchunked ratio is the figure beside it, with no
 target.
 
@@ -33,8 +35,11 @@ if TYPE_CHECKING:
     from jaxlab.serve.loadgen import LoadResult, RequestResult
 
 STREAMS = 8
-#: Arrivals come every ARRIVAL_GAP x a lone arrival's TTFT: prefill busy about half the time.
+#: Arrivals come every ARRIVAL_GAP x the TTFT one sees among the streams: each has had its
+#: prefill for about half the interval, and they never pile up in the queue.
 ARRIVAL_GAP = 2.0
+#: Calibration arrivals come this many lone TTFTs apart, so they seldom meet each other.
+SPARSE_GAP = 8.0
 TARGET_ITL_P99 = 2.0
 
 
@@ -95,21 +100,39 @@ def interference_case(run: PagedRun) -> Iterator[Record]:
         prompts = make_prompts(n, sh.arrival_prompt, seed=seed)
         return completion_bodies(prompts, sh.arrival_new, temperature=0.0, seed=seed)
 
-    def arrival_body(rnd: int) -> Callable[[int], dict[str, Any]]:
-        return lambda i: arrival_bodies(1, seed=(4000 + rnd) * 100_000 + i)[0]
+    def arrival_body(stream: int) -> Callable[[int], dict[str, Any]]:
+        """Arrival ``i`` of arrival stream ``stream``: every prompt its own."""
+        return lambda i: arrival_bodies(1, seed=(4000 + stream) * 100_000 + i)[0]
 
-    ctx.status("interference: a lone arrival's TTFT on the chunked server")
-    solo = run.closed(sides[chunk].url, arrival_bodies(3, seed=3999), 1)
-    solo_ttft = p50(solo.samples("ttft_s"))
-    if solo_ttft is None:
+    def stream_bodies(seed: int) -> list[dict[str, Any]]:
+        prompts = make_prompts(STREAMS, sh.stream_prompt, seed=seed)
+        return completion_bodies(prompts, sh.stream_new, temperature=0.0, seed=seed)
+
+    # The interval: ARRIVAL_GAP x the TTFT an arrival sees while the streams decode, on the
+    # chunked server, measured with arrivals far apart (SPARSE_GAP x a lone arrival's TTFT).
+    url = sides[chunk].url
+    ctx.status("interference: the arrival interval (a lone arrival, then sparse ones)")
+    lone = p50(run.closed(url, arrival_bodies(3, seed=3999), 1).samples("ttft_s"))
+    loaded = None
+    if lone is not None:
+        _, sparse = closed_loop_with_arrivals(
+            url,
+            stream_bodies(2999),
+            STREAMS,
+            arrival_body(999),
+            SPARSE_GAP * lone,
+            api_key=run.api_key,
+        )
+        loaded = p50(sparse.samples("ttft_s"))
+    if lone is None or loaded is None:
         yield ctx.failure(
             "interference_itl_p99_ratio",
-            f"a lone arrival failed: {solo.error_summary()}",
+            "measuring the arrival interval failed: no arrival was answered",
             case={**case, "prefill_chunk_tokens": chunk},
             unit="x",
         )
         return
-    interval = ARRIVAL_GAP * solo_ttft
+    interval = ARRIVAL_GAP * loaded
     p99: dict[tuple[int, bool], list[float | None]] = {
         (c, a): [] for c in (chunk, 0) for a in (False, True)
     }
@@ -117,12 +140,7 @@ def interference_case(run: PagedRun) -> Iterator[Record]:
         for c in alternate([chunk, 0], rnd):
             url = sides[c].url
             for arrivals in (False, True):
-                streams = completion_bodies(
-                    make_prompts(STREAMS, sh.stream_prompt, seed=3000 + 10 * rnd + int(arrivals)),
-                    sh.stream_new,
-                    temperature=0.0,
-                    seed=rnd,
-                )
+                streams = stream_bodies(3000 + 10 * rnd + int(arrivals))
                 ctx.status(
                     f"interference: prefill_chunk_tokens={c}, "
                     f"{'with' if arrivals else 'no'} arrivals, round {rnd + 1}"
@@ -154,7 +172,8 @@ def interference_case(run: PagedRun) -> Iterator[Record]:
                 "itl_p99_s": p99[(c, True)],
                 "itl_p99_s_no_arrivals": p99[(c, False)],
                 "arrival_interval_s": interval,
-                "lone_arrival_ttft_s": solo_ttft,
+                "lone_arrival_ttft_s": lone,
+                "loaded_arrival_ttft_s": loaded,
             },
             why_missing="a round failed or had too few gaps for a p99",
         )

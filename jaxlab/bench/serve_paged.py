@@ -18,8 +18,7 @@ round, with ``target``, ``target_is`` and ``meets_target`` (every round must mee
   whole prompts (``serve.prefill_chunk_tokens = 0``: with a budget of prompt tokens per
   step, admission would be bounded by the budget, not by the pool). The running
   batch a server reached is the peak of ``jaxlab_num_requests_running`` scraped from
-  ``/metrics`` during the run (:mod:`jaxlab.bench.timeline`); ``decoding_peak`` beside it
-  is the most requests the clients saw streaming at once. Targets: peak running at least
+  ``/metrics`` during the run (:mod:`jaxlab.bench.timeline`). Targets: peak running at least
   4x, output tokens/s at least 1.5x.
 - **timeline** (``pages_in_use``): the first memory round of the 64-slot server, scraped
   every 20 ms. Pages in use and running and waiting requests over time are stored in
@@ -43,7 +42,7 @@ from jaxlab.bench.serve_servers import Server, Servers
 
 if TYPE_CHECKING:
     from jaxlab.bench.timeline import GaugeSampler
-    from jaxlab.serve.loadgen import LoadResult, RequestResult
+    from jaxlab.serve.loadgen import LoadResult
     from jaxlab.tokenizer import Tokenizer
 
 #: The cache length issue #33's lengths are stated at (bench-small's ``max_len``).
@@ -134,23 +133,6 @@ def check_token_exact(
     heads = {tuple(ids[:prefix_len]) for ids in encoded}
     if len(heads) != 1:
         raise ValueError(f"the prompts do not share their first {prefix_len} tokens")
-
-
-def decoding_peak(results: Sequence[RequestResult]) -> int:
-    """The most ``results`` streaming at once, as their client saw it: each from its first
-    event to its last (a cross-check of the server's running gauge that no scrape can
-    miss)."""
-    edges = sorted(
-        (t, step)
-        for r in results
-        if r.event_times
-        for t, step in ((r.event_times[0], 1), (r.event_times[-1], -1))
-    )  # at a tie the end (-1) sorts first: touching intervals do not overlap
-    peak = now = 0
-    for _, step in edges:
-        now += step
-        peak = max(peak, now)
-    return peak
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -315,7 +297,6 @@ def memory_case(run: PagedRun) -> Iterator[Record]:
             extra = {
                 "running_peak": sampler.peak(RUNNING),
                 "running_mean": sampler.mean(RUNNING),
-                "decoding_peak": decoding_peak(load.ok),
                 "pages_peak": max(pages, default=None),
                 "preemptions": sampler.growth(PREEMPTIONS),
                 "gauge_scrapes": len(sampler.t_s),
@@ -329,8 +310,6 @@ def memory_case(run: PagedRun) -> Iterator[Record]:
     per_round = {
         "running_peak": peaks[PAGED_SLOTS],
         "running_peak_16slot": peaks[SLOTS],
-        "decoding_peak": [decoding_peak(x.ok) for x in many],
-        "decoding_peak_16slot": [decoding_peak(x.ok) for x in few],
         "output_tokens_per_s": [x.output_tokens_per_s for x in many],
         "output_tokens_per_s_16slot": [x.output_tokens_per_s for x in few],
         "decode_groups": paged.decode_groups,
@@ -393,7 +372,6 @@ __all__ = [
     "PagedShapes",
     "alternate",
     "check_token_exact",
-    "decoding_peak",
     "memory_case",
     "p50",
     "paged_plan",

@@ -213,8 +213,8 @@ def test_memory_case_gives_64_slots_the_pool_of_16(serve_run):
         assert d["preemptions"] is not None
         assert 0 < d["running_peak"] <= side.case["slots"]
         assert d["pages_peak"] <= pool
-    # What the clients saw streaming at once (no scrape can miss it).
-    assert paged.derived["decoding_peak"] > 16, "the paged server ran more than 16 at once"
+    # Admission by memory: the pool of 16 slots held more than 16 of these requests at once.
+    assert paged.derived["running_peak"] > 16
     conc = one(records, "paged_concurrency_ratio")
     assert conc.samples == [
         pytest.approx(paged.derived["running_peak"] / today.derived["running_peak"])

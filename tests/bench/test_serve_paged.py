@@ -12,7 +12,6 @@ from jaxlab.bench.serve_interference import running_window, tokens_per_event, wi
 from jaxlab.bench.serve_paged import (
     REFERENCE_LEN,
     check_token_exact,
-    decoding_peak,
     paged_plan,
     paged_shapes,
     ratio,
@@ -115,13 +114,6 @@ def test_gaps_count_only_while_every_stream_runs():
     assert sorted(gaps) == [1.0] * 5
     assert running_window([a, stream([7.0, 8.0])]) is None, "never together"
     assert running_window([a, RequestResult(ok=True, status=200, t_start=0, t_end=1)]) is None
-
-
-def test_decoding_peak_counts_streams_that_overlap():
-    a, b, c = stream([0.0, 1.0, 2.0]), stream([0.5, 1.5]), stream([2.0, 3.0])
-    assert decoding_peak([a, b, c]) == 2, "c starts as a ends: they do not overlap"
-    assert decoding_peak([a, stream([0.1, 1.9]), b]) == 3
-    assert decoding_peak([]) == 0
 
 
 def test_tokens_per_event_says_how_many_tokens_a_gap_spans():
