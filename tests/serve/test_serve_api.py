@@ -41,6 +41,8 @@ OVERRIDES = [
     "serve.slots=4",
     "serve.decode_groups=2",  # two groups of 2 slots on any machine: the threaded path
     "serve.max_tokens_limit=100",
+    # Chunks of at most 32 tokens: one length bucket to compile (of each kind), not two.
+    "serve.prefill_chunk_tokens=32",
 ]
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -359,7 +361,13 @@ def test_streaming_equals_non_streaming_with_valid_sse(server):
             raw = r.read().decode()
         chunks = parse_sse(raw)
         usage = chunks.pop()
-        assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+        assert usage["choices"] == []
+        # The same prompt again: its full pages may come from the prefix cache now.
+        details = usage["usage"].pop("prompt_tokens_details")
+        assert (
+            details["cached_tokens"] >= plain["usage"].pop("prompt_tokens_details")["cached_tokens"]
+        )
+        assert usage["usage"] == plain["usage"]
         text, finish = stream_text(chunks)
         assert text == choice["text"]
         assert finish == choice["finish_reason"]
@@ -809,8 +817,8 @@ def test_requests_admitted_together_share_a_prefill_per_group_and_equal_offline(
     server, engine, run_dir, cfg
 ):
     """With every slot free, waiting requests spread over the two slot groups and each
-    group prefills its own as one ragged call (one finishes in prefill and gives its slot
-    to the fifth, admitted in the same step); each output equals generating it alone, and
+    group prefills its own as one ragged call, within the step's budget (one finishes in
+    prefill and gives its slot to the fifth); each output equals generating it alone, and
     nothing compiles beyond the warm-up."""
     from jaxlab.infer.sampling import SamplingParams
 
@@ -825,20 +833,22 @@ def test_requests_admitted_together_share_a_prefill_per_group_and_equal_offline(
     ]
     outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     assert outputs == expected
-    # Slots 0, 2, 1, 3 in turn: [3, 2] in group 0 and [25, 12] in group 1; the one done in
-    # prefill frees slot 1 for the last.
-    assert prefills == [[3, 2], [25, 12], [4]]
+    # Slots 0, 2, 1, 3 in turn; the step's 32 tokens: [3, 2] in group 0, [25, 2] in group 1
+    # (the 12-token prompt is cut). The one done in prefill frees slot 1 for the last, and
+    # the next step prefills the rest of the 12 and the last one.
+    assert prefills == [[3, 2], [25, 2], [10], [4]]
     assert engine.compiles == s.compiles_after_warmup
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_packed_with_short_ones(server, engine, run_dir, cfg):
-    """serve.prefill_chunk_tokens = 64 (the default): a 100-token prompt is prefilled as 64
-    tokens, then its last 36 in the next step; the short prompt of its slot group is packed
-    with the rest of the budget. Each output equals offline generation."""
+    """serve.prefill_chunk_tokens = 32: a 100-token prompt is prefilled 32 tokens a step,
+    oldest first, and its last 4 are packed with the short prompt of its slot group (and
+    the other group's) in the rest of the step's budget. Each output equals offline
+    generation."""
     from jaxlab.infer.sampling import SamplingParams
 
     s = sched(server)
-    assert s.admission_sizes == (4, 2, 1) and s.prefill_chunk_tokens == 64
+    assert s.admission_sizes == (4, 2, 1) and s.prefill_chunk_tokens == 32
     reqs = [
         ([21] * 100, SamplingParams(max_new_tokens=6, ignore_eos=True)),
         ([22] * 5, SamplingParams(max_new_tokens=8, temperature=0.7, seed=9, ignore_eos=True)),
@@ -847,8 +857,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_packed_with_short_ones(server, eng
     outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     assert outputs == expected
     # Slots 0 (group 0), 2 (group 1), 1 (group 0): the 100-token prompt gets the whole
-    # budget; the next step, its last 36 with the 9-token one, and the 5-token one.
-    assert prefills == [[64], [36, 9], [5]]
+    # budget three steps running; the fourth, its last 4 with the 9-token one, and the
+    # 5-token one.
+    assert prefills == [[32], [32], [32], [4, 9], [5]]
     assert engine.compiles == s.compiles_after_warmup
 
 
@@ -1017,9 +1028,10 @@ def test_zz_nothing_compiled_while_serving(server, engine):
     """Runs last in the module: all the traffic above compiled nothing new."""
     warm = sched(server).compiles_after_warmup
     assert warm is not None
-    # One prefill per (bucket, admission group size): groups of 1, 2 and 4 (serve.prefill_batch
-    # = the 4 slots here); insert once per group size (a 1-row prefix also frees a slot);
-    # generate once, for a slot group's rows.
-    assert warm["prefill"] == 3 * len(engine.buckets) == 6
+    # One prefill per (kind, length bucket, row bucket): chunks from a prompt's start and
+    # past it, of the one bucket that holds serve.prefill_chunk_tokens = 32, in calls of 1,
+    # 2 and 4 rows (serve.prefill_batch = the 4 slots here); insert once per row bucket (a
+    # 1-row prefill also frees a slot); generate once, for a slot group's rows.
+    assert warm["prefill"] == 2 * 1 * 3 == 6
     assert warm["insert"] == 3 and warm["generate"] == 1
     assert engine.compiles == warm

@@ -1,14 +1,16 @@
 # The fixtures imported from test_serve_api are these tests' parameters.
 # ruff: noqa: F811
 """The paged KV cache end to end: real uvicorn on 127.0.0.1 over the trained tiny model of
-:mod:`test_serve_api` (whose fixtures and helpers are reused), each server here on an
-engine of its own (its compiles are its own, and checked).
+:mod:`test_serve_api` (whose fixtures and helpers are reused).
 
 Prefix caching on equals off over many concurrent requests sharing prefixes, greedy and
 sampled, and the cache reports its hits; pages come back after cancellations and clients
 that leave; a pool sized for two long sequences serves eight at once by preemption, each
-answer equal to offline generation; chunked prefill equals whole prompts; a request that
-can never fit the pool is a 400 naming it.
+answer equal to offline generation; chunked prefill equals whole prompts; nothing compiles
+after warm-up. The servers of one pool shape share the module's engine (every shape they
+use is one its first warm-up compiled); the preemption server has a pool of its own, so an
+engine of its own. A request that can never fit the pool is a 400 naming it (over the fake
+engine: the HTTP path, without a model).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def shared_prefix_bodies(n: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_prefix_caching_on_equals_off_over_64_concurrent_requests(run_dir, cfg):
+def test_prefix_caching_on_equals_off_over_64_concurrent_requests(model, cfg):
     """64 concurrent requests over three shared system prompts, greedy and sampled: the
     same tokens with the prefix cache on and off; with it on, most report cached tokens and
     the counters agree. Streams cut after their first event and a client gone while queued
@@ -102,7 +104,6 @@ def test_prefix_caching_on_equals_off_over_64_concurrent_requests(run_dir, cfg):
     bodies = shared_prefix_bodies(64)
     answers = {}
     for caching in (True, False):
-        model = load_model(run_dir, cfg)
         with serving(model, cfg, prefix_caching=caching, max_queue=128) as srv:
             answers[caching] = send_all(srv.url, bodies)
             if caching:
@@ -127,7 +128,7 @@ def test_prefix_caching_on_equals_off_over_64_concurrent_requests(run_dir, cfg):
 def leave_early(srv: ServerThread) -> None:
     """Eight streams cut after their first event, and requests cancelled while queued."""
     s = sched(srv)
-    body = {"prompt": SYSTEMS[0] + "cut", "max_tokens": 90, "stream": True, "ignore_eos": True}
+    body = {"prompt": SYSTEMS[0] + "cut", "max_tokens": 60, "stream": True, "ignore_eos": True}
     for _ in range(8):
         with httpx.stream("POST", srv.url + COMP, json=body, timeout=60) as r:
             assert r.status_code == 200
@@ -147,18 +148,19 @@ def _sp(n: int) -> Any:
 
 
 @pytest.mark.slow
-def test_a_pool_for_two_long_sequences_serves_eight_by_preemption(run_dir, cfg):
+def test_a_pool_for_two_long_sequences_serves_eight_by_preemption(model, run_dir, cfg):
     """8 slots over 16 pages of 16 tokens (two sequences of max_len 128): eight concurrent
-    requests of 100 tokens each cannot all hold their pages, so the newest are preempted
-    and recomputed; every one completes, equal to offline generation, and nothing
-    compiles after warm-up."""
+    requests of 117 tokens each cannot all hold their pages, so the newest are preempted
+    and recomputed (their prompts mostly from the prefix cache); every one completes, equal
+    to offline generation, and nothing compiles after warm-up. Its own engine (another
+    pool shape), with few shapes to compile: one chunk per call."""
     from jaxlab.infer.sampling import SamplingParams
 
     small = with_inference(cfg, num_pages=16)
     rng = random.Random(5)
     bodies = [
         {
-            "prompt": " ".join(rng.choice(["ab", "cd", "ef", "gh"]) for _ in range(8)),
+            "prompt": " ".join(rng.choice(["ab", "cd", "ef", "gh"]) for _ in range(14)),
             "max_tokens": 76,
             "temperature": [0.0, 0.8][i % 2],
             "seed": 40 + i,
@@ -166,16 +168,17 @@ def test_a_pool_for_two_long_sequences_serves_eight_by_preemption(run_dir, cfg):
         }
         for i in range(8)
     ]
-    model = load_model(run_dir, small)
-    with serving(model, small, slots=8, decode_groups=1, prefill_batch=8) as srv:
+    own = load_model(run_dir, small)
+    serve = dict(slots=8, decode_groups=1, prefill_batch=1)
+    with serving(own, small, **serve) as srv:
         got = send_all(srv.url, bodies)
         s = sched(srv)
         assert s.preemptions > 0
         assert metric(metrics(srv.url), "jaxlab_num_preemptions_total") == s.preemptions
         check_pools(srv)
-        assert model.engine.compiles == s.compiles_after_warmup
+        assert own.engine.compiles == s.compiles_after_warmup
     want = offline(
-        load_model(run_dir, cfg),
+        model,
         [
             (
                 b["prompt"],
@@ -191,12 +194,13 @@ def test_a_pool_for_two_long_sequences_serves_eight_by_preemption(run_dir, cfg):
     )
     assert [g["token_ids"] for g in got] == [w.token_ids for w in want]
     assert all(len(g["token_ids"]) == 76 for g in got)
+    assert all(len(b["prompt"]) == 41 for b in bodies)  # 41 + 76 = 117 tokens, 8 pages
 
 
 @pytest.mark.slow
-def test_chunked_prefill_equals_whole_prompts(run_dir, cfg):
-    """Long prompts prefilled 8 tokens a step (split over many steps, between decode
-    chunks) give the same tokens as whole prompts, both equal to offline generation."""
+def test_chunked_prefill_equals_whole_prompts(model, cfg):
+    """Long prompts prefilled 8 or 32 tokens a step (split over many steps, between decode
+    chunks) give the same tokens as whole prompts (offline generation)."""
     from jaxlab.infer.sampling import SamplingParams
 
     rng = random.Random(9)
@@ -211,8 +215,7 @@ def test_chunked_prefill_equals_whole_prompts(run_dir, cfg):
         for i in range(8)
     ]
     got = {}
-    for chunk in (8, 0):
-        model = load_model(run_dir, cfg)
+    for chunk in (8, 32):
         with serving(model, cfg, prefill_chunk_tokens=chunk, prefix_caching=False) as srv:
             got[chunk] = [a["token_ids"] for a in send_all(srv.url, bodies)]
             check_pools(srv)
@@ -223,28 +226,36 @@ def test_chunked_prefill_equals_whole_prompts(run_dir, cfg):
         )
         for b in bodies
     ]
-    want = offline(
-        load_model(run_dir, cfg), [(b["prompt"], p) for b, p in zip(bodies, sp, strict=True)]
-    )
-    assert got[8] == got[0] == [w.token_ids for w in want]
+    want = offline(model, [(b["prompt"], p) for b, p in zip(bodies, sp, strict=True)])
+    assert got[8] == got[32] == [w.token_ids for w in want]
 
 
-def test_a_request_that_can_never_fit_the_pool_is_a_400_naming_it(model, cfg):
-    """4 pages over 2 slot groups: a group holds 32 tokens. 20 + 20 can never fit: 400
-    before it queues, naming the pool; 20 + 12 fits and runs."""
-    small = with_inference(cfg, num_pages=4)
-    with serving(model, small) as srv:
-        body = {"prompt": "y" * 20, "max_tokens": 20}
+def test_a_request_that_can_never_fit_the_pool_is_a_400_naming_it():
+    """Over the fake engine (pages of 4 tokens), 4 pages over 2 slot groups: a group holds
+    8 tokens. 6 + 3 can never fit: a 400 on both endpoints before it queues, naming the
+    pool; 6 + 2 fits and runs."""
+    from fake_engine import FakeEngine
+
+    from jaxlab.config import load_config
+    from jaxlab.serve import ModelService
+    from jaxlab.tokenizer import byte_tokenizer
+
+    overrides = ["serve.slots=2", "serve.decode_groups=2", "inference.num_pages=4"]
+    small = load_config("tiny", overrides, environ={})
+    engine: Any = FakeEngine(page_size=4)
+    with ServerThread(ModelService.from_engine(engine, byte_tokenizer(), small)) as srv:
+        srv.wait_ready()
+        body = {"prompt": "y" * 6, "max_tokens": 3}
         for path in (GEN, COMP):
-            err = assert_error(
-                httpx.post(srv.url + path, json=body), 400, "context_length_exceeded"
-            )
+            r = httpx.post(srv.url + path, json=body)
+            err = assert_error(r, 400, "context_length_exceeded")
             assert err["param"] == "prompt"
             assert "a slot group's pool holds (2: 4 pages over 2 slot groups" in err["message"]
             assert "inference.num_pages" in err["message"]
         assert sched(srv).num_waiting == 0
-        ok = httpx.post(srv.url + GEN, json={**body, "max_tokens": 12}, timeout=60)
+        ok = httpx.post(srv.url + GEN, json={**body, "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200, ok.text
+        assert metric(metrics(srv.url), "jaxlab_requests_total", status="400") == 2
 
 
 def test_cached_tokens_are_reported_in_every_usage(server):
