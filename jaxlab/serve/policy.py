@@ -13,12 +13,11 @@ from collections.abc import Sequence
 
 
 def admission_sizes(prefill_batch: int) -> tuple[int, ...]:
-    """Group sizes for prefilling admitted requests together, largest first: the powers
-    of two below ``prefill_batch``, and ``prefill_batch`` itself (``8 -> (8, 4, 2, 1)``).
-
-    Why not only ``prefill_batch`` and 1: in a closed loop requests mostly arrive a few at
-    a time, and one prompt alone is the least efficient prefill per row. Every size is one
-    more compiled prefill per bucket, so the sizes are few and fixed.
+    """Row counts of the prefill calls the warm-up makes, largest first: the powers of two
+    below ``prefill_batch``, and ``prefill_batch`` itself (``8 -> (8, 4, 2, 1)``). The
+    engine pads a call's rows to a power of two, so these reach every row bucket a call of
+    at most ``prefill_batch`` chunks can use, and nothing else: every bucket is one more
+    compiled prefill per length bucket.
     """
     sizes = {prefill_batch}
     n = 1
@@ -26,23 +25,6 @@ def admission_sizes(prefill_batch: int) -> tuple[int, ...]:
         sizes.add(n)
         n *= 2
     return tuple(sorted(sizes, reverse=True))
-
-
-def split_admission(n: int, sizes: Sequence[int]) -> list[int]:
-    """Prefill calls for ``n`` requests over the compiled group ``sizes`` (largest first,
-    which include 1): full groups of the largest size, then one group of the smallest size
-    that holds the rest, padded: ``15, (8, 4, 2, 1) -> [8, 8]``, ``3 -> [4]``.
-
-    Why pad instead of cutting the rest into its binary digits (``15 -> [8, 4, 2, 1]``):
-    a prefill call's cost grows much slower than its rows, and each call also costs the
-    engine thread a host round trip.
-    """
-    largest = sizes[0]
-    full, rest = divmod(n, largest)
-    out = [largest] * full
-    if rest:
-        out.append(min(s for s in sizes if s >= rest))
-    return out
 
 
 def usable_cores() -> int:
@@ -186,7 +168,6 @@ __all__ = [
     "pick_slots",
     "plan_chunks",
     "slot_candidates",
-    "split_admission",
     "usable_cores",
     "warm_chunk_lengths",
 ]

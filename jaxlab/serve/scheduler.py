@@ -54,7 +54,6 @@ from jaxlab.serve.policy import (
     pages_per_group,
     plan_chunks,
     slot_candidates,
-    split_admission,
     warm_chunk_lengths,
 )
 from jaxlab.serve.slots import PAD_TOKEN, Engine, SlotGroup, SlotGroups
@@ -87,8 +86,9 @@ class Scheduler:
       max_queue: waiting requests beyond which :meth:`submit` raises :class:`QueueFull`.
       request_timeout_s: arrival to last token; past it the request fails.
       chunk_tokens: decode steps per ``generate`` call.
-      prefill_batch: the most prompts one group prefills in one call; calls are padded to
-        :func:`~jaxlab.serve.policy.admission_sizes` rows.
+      prefill_batch: the most chunks one group prefills in one call (the engine pads a
+        call's rows to a power of two; the warm-up makes one call of each
+        :func:`~jaxlab.serve.policy.admission_sizes` row count).
       num_pages: KV pages of the whole server, split evenly over the groups (default:
         every slot can hold ``max_len`` tokens, the memory of a contiguous cache).
       prefill_chunk_tokens: prompt tokens prefilled per step at most (0: whole prompts).
@@ -385,9 +385,9 @@ class Scheduler:
         return Chunk(tokens, start, pages, entry.request.sampling, last, len(entry.generated))
 
     def _run_chunks(self, work: list[tuple[Entry, int]]) -> None:
-        """Prefill ``work`` (``(request, tokens)``): one call per slot group, padded to a
-        compiled row count; then commit the computed pages, and insert the requests whose
-        prompt is complete.
+        """Prefill ``work`` (``(request, tokens)``): one call per slot group (the engine
+        pads its rows to a power of two); then commit the computed pages, and insert the
+        requests whose prompt is complete.
 
         One request never fails another. When a batched call raises without having consumed
         the group's state, its requests are prefilled again one by one (1 row is a compiled
@@ -403,11 +403,8 @@ class Scheduler:
             parts = [items]
             while parts:
                 part = parts.pop(0)
-                size = split_admission(len(part), self.admission_sizes)[0]
-                chunks = [self._chunk(e, n) for e, n in part]
-                chunks += [g.pad(1) for _ in range(size - len(part))]
                 try:
-                    pre = g.prefill(chunks)
+                    pre = g.prefill([self._chunk(e, n) for e, n in part])
                 except Exception as e:
                     if g.state is None:
                         self._device_failed("prefill", e)
@@ -437,7 +434,7 @@ class Scheduler:
         except Exception as e:
             self._device_failed("prefill", e)
             return
-        rows = [-1] * len(first)
+        rows = [-1] * len(part)
         complete: list[tuple[int, Entry]] = []
         for i, (entry, n) in enumerate(part):
             if entry.slot is None:  # failed meanwhile

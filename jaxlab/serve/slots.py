@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from jaxlab.infer.engine import Chunk
     from jaxlab.infer.pages import PagePool
 
-#: Token of padding rows and warm-up prompts (any valid id: it reaches no page).
+#: Token of the warm-up's prompts and of the empty row (any valid id).
 PAD_TOKEN = 0
 
 
@@ -70,20 +70,6 @@ def survived(state: Any) -> bool:
     return state is not None and not any(
         getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(state)
     )
-
-
-def pad_chunk(
-    length: int, no_page: int, max_pages: int, *, start: int = 0, last: bool = False
-) -> Chunk:
-    """A chunk of ``length`` :data:`PAD_TOKEN` tokens whose pages are all ``NO_PAGE``: its
-    writes are dropped, and (not ``last``) nothing of it is ever inserted. It pads a
-    prefill call to a compiled row count, and shapes the warm-up's calls; ``last`` with a
-    one-token budget gives a row that is done at once (the empty row that frees a slot)."""
-    from jaxlab.infer.engine import Chunk
-    from jaxlab.infer.sampling import SamplingParams
-
-    pages = [no_page] * max_pages
-    return Chunk((PAD_TOKEN,) * length, start, pages, SamplingParams(max_new_tokens=1), last=last)
 
 
 class PageTable:
@@ -160,16 +146,27 @@ class SlotGroup:
     def reset(self) -> None:
         """A fresh state (every row empty, every table entry ``NO_PAGE``), an empty pool and
         table (the old pages' contents, the prefix cache included, went with the old
-        state), and the empty row that frees a slot."""
+        state), and the empty row that frees a slot: a one-token prompt with a one-token
+        budget, done as soon as it is prefilled (into a page lent for that call only)."""
+        from jaxlab.infer.engine import Chunk
+        from jaxlab.infer.sampling import SamplingParams
+
         self.state = None
         self.pool = self._pool()
         self.table = PageTable(self.rows, self.max_pages, self.num_pages)
         self.state = self.call(self.engine.init_decode_state, self.rows, self.num_pages)
-        self._empty = self.prefill([self.pad(1, last=True)])
+        pages = self.lend("empty row", 1)
+        one = SamplingParams(max_new_tokens=1)
+        self._empty = self.prefill([Chunk((PAD_TOKEN,), 0, pages, one)])
+        self.pool.release("empty row")
 
-    def pad(self, length: int, *, start: int = 0, last: bool = False) -> Chunk:
-        """:func:`pad_chunk` for this group's pool."""
-        return pad_chunk(length, self.no_page, self.max_pages, start=start, last=last)
+    def lend(self, name: str, n_tokens: int) -> list[int]:
+        """Pages for ``n_tokens`` tokens under ``name`` (the group's own calls: the empty
+        row, the warm-up); :meth:`PagePool.release` gives them back."""
+        admission = self.pool.admit(name, (PAD_TOKEN,) * n_tokens)
+        if admission is None:
+            raise ValueError(f"slot group {self.index}: no page free for {name}")
+        return admission.pages
 
     def prefill(self, chunks: Sequence[Chunk]) -> Any:
         """Prefill ``chunks`` (their K/V into this group's pages); the engine's ``Prefill``.
@@ -184,9 +181,12 @@ class SlotGroup:
         return pre
 
     def insert(self, pre: Any, rows: Sequence[int]) -> None:
-        """Row ``i`` of ``pre`` into this group's row ``rows[i]`` (``-1``: skipped)."""
+        """Row ``i`` of ``pre`` into this group's row ``rows[i]`` (``-1``: skipped). The
+        insert also copies the chunks' page lists into the device's table, so the host's
+        table is sent again before the next chunk, whatever it holds."""
         state, self.state = self.state, None
         self.state = self.call(self.engine.insert, pre, state, list(rows))
+        self.table.dirty = True
 
     def free(self, row: int) -> None:
         """Make ``row`` empty on the device: an empty row (done) inserted over it, after the
@@ -264,7 +264,13 @@ class SlotGroups(Sequence[SlotGroup]):
         chunks, or the rest after a prefix-cache hit); ``insert`` per row count; one real
         pass (``set_table``, a ``generate`` of ``k`` steps, a free). Every group has the
         same shapes, so the first group's calls compile for all. The groups start afresh,
-        and end empty."""
+        and end with every page back in their pools.
+
+        The shape calls write into two pages lent for the warm-up: ``prefix`` holds
+        position 0, which the chunks past the start attend to, and ``scratch`` every other
+        position of every chunk (the same page over and over: what they write is never
+        read), so a pool of two pages warms every length.
+        """
         import jax
 
         from jaxlab.infer.engine import Chunk
@@ -274,26 +280,35 @@ class SlotGroups(Sequence[SlotGroup]):
         yield
         self.reset()
         first = self._groups[0]
-        starts = [0, 1] if extend else [0]
-        for start in starts:
+        ps = eng.page_size
+        one = SamplingParams(max_new_tokens=1)
+        prefix = first.lend("warm-up prefix", 1)[0]
+        scratch = first.lend("warm-up scratch", 1)[0] if first.pool.free else prefix
+
+        def chunks(n: int, length: int, start: int) -> list[Chunk]:
+            pages = [prefix if start else scratch] + [scratch] * ((start + length - 1) // ps)
+            return [Chunk((PAD_TOKEN,) * length, start, pages, one, last=False)] * n
+
+        first.prefill([Chunk((PAD_TOKEN,), 0, [prefix], one, last=False)])  # its position 0
+        for start in [0, 1] if extend else [0]:
             for length in lengths:
                 length = min(length, eng.max_len - start)
                 for size in sizes:
                     yield
-                    chunks = [first.pad(length, start=start) for _ in range(size)]
-                    jax.block_until_ready(first.prefill(chunks))
+                    jax.block_until_ready(first.prefill(chunks(size, length, start)))
         for size in sizes:  # an insert that writes nothing: every row is skipped
-            pre = first.prefill([first.pad(1) for _ in range(size)])
+            pre = first.prefill(chunks(size, 1, 0))
             yield
             first.insert(pre, [-1] * size)
+        first.pool.release("warm-up prefix")
+        first.pool.release("warm-up scratch")
         yield
         # One real pass on row 0 over pages of its own: prefill, insert, a chunk, free.
         sp = SamplingParams(max_new_tokens=2 if eng.max_len >= 3 else 1, ignore_eos=True)
-        admission = first.pool.admit("warm-up", (0,), reserve=1)
-        assert admission is not None
-        pre = first.prefill([Chunk((0,), 0, admission.pages, sp)])
+        pages = first.lend("warm-up", 2)
+        pre = first.prefill([Chunk((PAD_TOKEN,), 0, pages, sp)])
         first.insert(pre, [0])
-        first.table.set(0, admission.pages)
+        first.table.set(0, pages)
         tokens, _ = first.generate(k)
         first.free(0)
         first.pool.release("warm-up")
@@ -305,4 +320,4 @@ class SlotGroups(Sequence[SlotGroup]):
             g.close()
 
 
-__all__ = ["PAD_TOKEN", "Engine", "PageTable", "SlotGroup", "SlotGroups", "pad_chunk", "survived"]
+__all__ = ["PAD_TOKEN", "Engine", "PageTable", "SlotGroup", "SlotGroups", "survived"]

@@ -78,10 +78,10 @@ class Rows:
     max_new: np.ndarray  # i32[B]
     stop: np.ndarray  # i32[B, MAX_STOP_TOKENS], -1 = unused
     tokens: np.ndarray  # i32[B]: each row's last token, not yet written
-    last: np.ndarray  # bool[B]: the row's prompt is fully prefilled (prefill rows)
+    table: np.ndarray  # i32[B, max_pages]: a prefill row's chunk pages (insert copies them)
 
     @classmethod
-    def empty(cls, n: int) -> Rows:
+    def empty(cls, n: int, max_pages: int, no_page: int) -> Rows:
         z = np.zeros(n, np.int32)
         return cls(
             z.copy(),
@@ -91,7 +91,7 @@ class Rows:
             z.copy(),
             np.full((n, MAX_STOP_TOKENS), -1, np.int32),
             z.copy(),
-            np.zeros(n, np.bool_),
+            np.full((n, max_pages), no_page, np.int32),
         )
 
     def copy(self) -> Rows:
@@ -135,10 +135,17 @@ class FakeState:
 
 
 class Prefill(NamedTuple):
+    """As the engine's: rows padded to a power of two; ``last`` per chunk."""
+
     state: Rows
     tokens: np.ndarray
     done: np.ndarray
     bucket: int | None
+    last: tuple[bool, ...] = ()
+
+
+def row_bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 class FakeEngine:
@@ -242,7 +249,7 @@ class FakeEngine:
         return previous
 
     def _write(self, st: FakeState, pages: Sequence[int], p: int, kv: int, token: int) -> bool:
-        """Write position ``p``; False if its page is ``NO_PAGE`` (dropped)."""
+        """Write position ``p``; False if its page is ``NO_PAGE`` (the write is dropped)."""
         page = pages[p // self.page_size] if p // self.page_size < len(pages) else st.num_pages
         if page >= st.num_pages:
             return False
@@ -260,7 +267,7 @@ class FakeEngine:
             np.zeros(cells, np.int64),
             np.full(cells, -1, np.int32),
             np.full((slots, self.max_pages), n, np.int32),
-            Rows.empty(slots),
+            Rows.empty(slots, self.max_pages, n),
         )
 
     def set_table(self, state: FakeState, table: np.ndarray) -> FakeState:
@@ -275,49 +282,52 @@ class FakeEngine:
         longest = max(len(c.tokens) for c in chunks)
         bucket = self.bucket_for(longest)
         mode = "fresh" if all(c.start == 0 for c in chunks) else "extend"
-        # Recorded: the lengths and starts of the rows that are not padding (all NO_PAGE).
-        real = [c for c in chunks if any(p < state.num_pages for p in c.pages)]
-        lengths, starts = [len(c.tokens) for c in real], [c.start for c in real]
-        self._called("prefill", (mode, len(chunks), bucket), lengths, starts, len(chunks))
-        for c in chunks:
-            assert c.tokens and c.start + len(c.tokens) <= self.max_len, c
+        rows = row_bucket(len(chunks))
+        lengths, starts = [len(c.tokens) for c in chunks], [c.start for c in chunks]
+        self._called("prefill", (mode, rows, bucket), lengths, starts, rows)
+        ps, n_pages = self.page_size, state.num_pages
+        for i, c in enumerate(chunks):  # the engine's checks (ValueError, state untouched)
+            end = c.start + len(c.tokens)
+            if not c.tokens or c.start < 0 or end > self.max_len:
+                raise ValueError(f"chunk {i}: {len(c.tokens)} tokens from {c.start}")
+            if not -(-end // ps) <= len(c.pages) <= self.max_pages:
+                raise ValueError(f"chunk {i}: {len(c.pages)} pages for {end} tokens")
+            if any(not 0 <= p < n_pages for p in c.pages):
+                raise ValueError(f"chunk {i}: a page id outside the pool of {n_pages} pages")
             for prompt in self._poison:
-                if tuple(prompt[c.start : c.start + len(c.tokens)]) == tuple(c.tokens):
+                if tuple(prompt[c.start : end]) == tuple(c.tokens):
                     raise RuntimeError("prefill broke on a poisoned prompt")
         st = self._take(state)
-        pre = Rows.empty(len(chunks))
+        pre = Rows.empty(rows, self.max_pages, n_pages)
         for i, c in enumerate(chunks):
-            pad = all(p >= st.num_pages for p in c.pages)
-            if not pad and len(c.pages) * self.page_size < c.start + len(c.tokens):
-                raise self._fault(f"chunk {i}: {len(c.pages)} pages for {c.start + len(c.tokens)}")
-            kv = 0 if pad else self._read(st, c.pages, c.start, f"prefill row {i}")
+            kv = self._read(st, c.pages, c.start, f"prefill row {i}")
             for j, t in enumerate(c.tokens):
                 kv = chain(kv, t)
-                if not self._write(st, c.pages, c.start + j, kv, t) and not pad:
-                    raise self._fault(f"prefill row {i} wrote position {c.start + j} to NO_PAGE")
+                self._write(st, c.pages, c.start + j, kv, t)
+            pre.table[i, : len(c.pages)] = c.pages
             if not c.last:
                 pre.tokens[i], pre.done[i] = NO_TOKEN, False
                 continue
             sp = c.sampling
             tok = next_token(kv, sp.seed, c.generated)
             pre.seed[i], pre.pos[i], pre.tokens[i] = sp.seed, c.start + len(c.tokens), tok
-            pre.generated[i], pre.max_new[i], pre.last[i] = c.generated + 1, sp.max_new_tokens, True
+            pre.generated[i], pre.max_new[i] = c.generated + 1, sp.max_new_tokens
             pre.stop[i, : len(sp.stop_token_ids)] = sp.stop_token_ids
             pre.done[i] = tok in sp.stop_token_ids or c.generated + 1 >= sp.max_new_tokens
-        return st, Prefill(pre, pre.tokens.copy(), pre.done.copy(), bucket)
+        last = tuple(c.last for c in chunks)
+        return st, Prefill(pre, pre.tokens.copy(), pre.done.copy(), bucket, last)
 
     def insert(self, pre: Prefill, state: FakeState, slots: Sequence[int]) -> FakeState:
         rows = pre.state
-        assert len(slots) == len(rows.done), (slots, len(rows.done))
-        chosen = [s for s in slots if s >= 0]
+        assert len(slots) == len(pre.last), (slots, pre.last)
+        chosen = [s for s, last in zip(slots, pre.last, strict=True) if last and s >= 0]
         assert len(set(chosen)) == len(chosen) and all(s < state.slots for s in chosen), slots
         self._called("insert", (len(rows.done), state.slots), state.slots, list(slots))
         st = self._take(state)
-        for row, slot in enumerate(slots):
-            if slot >= 0:
-                if not rows.last[row]:
-                    raise self._fault(f"inserted row {row}, whose prompt is not prefilled")
+        for row, (slot, last) in enumerate(zip(slots, pre.last, strict=True)):
+            if slot >= 0 and last:  # the row and its page-table row
                 st.rows.put(slot, rows, row)
+                st.table[slot] = rows.table[row]
         return st
 
     def generate(self, state: FakeState, k: int) -> tuple[FakeState, np.ndarray, np.ndarray]:

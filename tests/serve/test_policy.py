@@ -17,7 +17,6 @@ from jaxlab.serve.policy import (
     pick_slots,
     plan_chunks,
     slot_candidates,
-    split_admission,
     warm_chunk_lengths,
 )
 
@@ -28,31 +27,6 @@ from jaxlab.serve.policy import (
 )
 def test_admission_sizes_are_powers_of_two_and_the_batch(prefill_batch, sizes):
     assert admission_sizes(prefill_batch) == sizes
-
-
-@given(st.integers(1, 16), st.integers(0, 40))
-def test_split_admission_takes_full_groups_then_pads_the_rest_into_one(batch, n):
-    sizes = admission_sizes(batch)
-    groups = split_admission(n, sizes)
-    assert all(g in sizes for g in groups)
-    assert groups == sorted(groups, reverse=True)
-    # Every request has a row; the only padding is in the last group, and that group is
-    # the smallest compiled size that holds what the full groups leave.
-    full, rest = divmod(n, batch)
-    assert groups[:full] == [batch] * full
-    if rest:
-        assert groups[full:] == [min(s for s in sizes if s >= rest)]
-    else:
-        assert groups[full:] == []
-    assert sum(groups) >= n
-
-
-@pytest.mark.parametrize(
-    ("n", "groups"),
-    [(0, []), (1, [1]), (3, [4]), (5, [8]), (8, [8]), (15, [8, 8]), (17, [8, 8, 1])],
-)
-def test_split_admission_examples(n, groups):
-    assert split_admission(n, admission_sizes(8)) == groups
 
 
 @given(st.integers(1, 64), st.integers(1, 16))

@@ -257,9 +257,9 @@ def test_waiting_requests_spread_over_the_groups_and_are_prefilled_per_group(mak
     settle(sched)
 
 
-def test_a_group_of_three_is_padded_to_four_rows(make, engine):
-    """A prefill call has a compiled row count: three prompts of one group go as four rows,
-    the last a one-token padding row (token 0, no page) that is never inserted."""
+def test_three_prompts_of_one_group_are_one_call(make, engine):
+    """Three prompts admitted together into one slot group are one prefill call (the
+    engine pads its rows to four) and one insert."""
     sched = make(decode_groups=1)
     sched.pause_admission()
     reqs = [req(30, 6), req(5, 8, seed=1), req(9, 4, seed=2)]
@@ -268,7 +268,7 @@ def test_a_group_of_three_is_padded_to_four_rows(make, engine):
     sched.resume_admission()
     sched.step()
     assert engine.calls[n][:2] == ("prefill", [30, 5, 9]) and engine.calls[n][3] == 4
-    assert engine.calls[n + 1] == ("insert", 4, [0, 1, 2, -1])
+    assert engine.calls[n + 1] == ("insert", 4, [0, 1, 2])
     settle(sched)
     assert [o.tokens for o in outs] == [engine.reference(r) for r in reqs]
 
