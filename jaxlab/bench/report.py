@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,7 +362,7 @@ def _timeline_plots(run_dir: Path, records: Sequence[Record]) -> tuple[list[Path
             continue
         done.add(r.suite)
         path = run_dir / timeline_plot_path(r.suite)
-        title = f"{r.suite} · run {r.run_id}\n{case_label(r.case)}"
+        title = f"{r.suite} · run {r.run_id}\n" + textwrap.fill(case_label(r.case), 110)
         note = write_timeline_plot(series, path, title)
         if note is None:
             plots.append(path)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from jaxlab.bench.context import BenchContext
 from jaxlab.bench.record import CaseValue, Record
 from jaxlab.bench.serve_paged import SLOTS, PagedRun, alternate, p50, ratio
-from jaxlab.bench.serve_records import percentile_or_none, ratio_record
+from jaxlab.bench.serve_records import load_average, percentile_or_none, ratio_record
 
 if TYPE_CHECKING:
     from jaxlab.serve.loadgen import LoadResult, RequestResult
@@ -216,6 +216,7 @@ def _itl_record(
         "output_tokens_per_s": load.output_tokens_per_s,
         # A preempted stream is recomputed: its gap then holds a prefill, not interference.
         "preemptions": preemptions,
+        "loadavg_1m": load_average(),
     }
     if arrivals is not None:
         derived |= {

@@ -2,10 +2,11 @@
 
 :func:`run_records` turns a :class:`~jaxlab.serve.loadgen.LoadResult` into an ``e2e_s``
 record (derived: requests/s, output tokens/s, errors, TTFT p50/p99, prompt tokens and the
-prefix-cache hits the server reported and, with the server in-process, the cores the
-process kept busy) and ``ttft_s``, ``tpot_s`` and ``itl_s`` records. :func:`ratio_record`
-is a comparison's ratio, one sample per interleaved round, held against its target. Tails
-follow the harness rule (withheld under ``bench.min_samples_for_tails`` samples).
+prefix-cache hits the server reported, the machine's load average and, with the server
+in-process, the cores the process kept busy) and ``ttft_s``, ``tpot_s`` and ``itl_s``
+records. :func:`ratio_record` is a comparison's ratio, one sample per interleaved round,
+held against its target. Tails follow the harness rule (withheld under
+``bench.min_samples_for_tails`` samples).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def percentile_or_none(values: Sequence[float], q: float, min_n: int) -> float |
     if len(values) < min_n:
         return None
     return percentile(sorted(values), q / 100)
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average now (None where the OS has none): on a shared
+    machine, how many other runnable processes a measurement competed with."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def run_records(
@@ -65,6 +72,7 @@ def run_records(
     }
     if in_process:
         derived |= {"process_cpu_cores": load.cpu_cores, "cpu_count": os.cpu_count()}
+    derived["loadavg_1m"] = load_average()
     yield ctx.record("e2e_s", "s", load.samples("e2e_s"), case=case, derived=derived)
     for metric in ("ttft_s", "tpot_s", "itl_s"):
         samples = load.samples(metric)
@@ -108,4 +116,4 @@ def ratio_record(
     )
 
 
-__all__ = ["meets", "percentile_or_none", "ratio_record", "run_records"]
+__all__ = ["load_average", "meets", "percentile_or_none", "ratio_record", "run_records"]
