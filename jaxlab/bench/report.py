@@ -6,13 +6,16 @@ These files are derived: they can be regenerated at any time (``jaxlab bench rep
 Plots use matplotlib's Agg renderer (no display, no pyplot state). matplotlib is an
 optional dependency (``pip install 'jaxlab[plots]'``); without it the plots are skipped
 and the summary says so. A suite gets a dedicated plot through :func:`plotter`; any other
-suite gets the generic one (median with min-max bars per case).
+suite gets the generic one (median with min-max bars per case). A record that carries a
+series over time (``derived["timeline"]``, :mod:`jaxlab.bench.timeline`) also gets its
+timeline plot, ``plots/<suite>-timeline.png``.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,6 +345,29 @@ def write_plots(run_dir: Path, records: Sequence[Record]) -> tuple[list[Path], l
             plots.append(path)
         except Exception as e:  # a plot must never fail the run
             notes.append(f"plot for {suite_name} failed: {type(e).__name__}: {e}")
+    drawn, timeline_notes = _timeline_plots(run_dir, records)
+    return plots + drawn, notes + timeline_notes
+
+
+def _timeline_plots(run_dir: Path, records: Sequence[Record]) -> tuple[list[Path], list[str]]:
+    """The timeline of the first record of each suite that carries one."""
+    from jaxlab.bench.timeline import timeline_plot_path, write_timeline_plot
+
+    plots: list[Path] = []
+    notes: list[str] = []
+    done: set[str] = set()
+    for r in records:
+        series = r.derived.get("timeline") if r.ok else None
+        if not isinstance(series, dict) or r.suite in done:
+            continue
+        done.add(r.suite)
+        path = run_dir / timeline_plot_path(r.suite)
+        title = f"{r.suite} · run {r.run_id}\n" + textwrap.fill(case_label(r.case), 110)
+        note = write_timeline_plot(series, path, title)
+        if note is None:
+            plots.append(path)
+        else:
+            notes.append(note)
     return plots, notes
 
 

@@ -82,9 +82,15 @@ EXPLAIN: dict[str, tuple[str, str]] = {
     "serve": (
         "A real server on loopback under closed-loop concurrency and open-loop Poisson "
         "arrivals: requests/s, output tokens/s, TTFT, TPOT, ITL and end-to-end latency, with "
-        "16 slots against 1 slot (the serialized design).",
+        "16 slots against 1 slot (the serialized design). Record sets with the paged KV "
+        "cache add its comparisons, each between two servers in interleaved rounds: prefix "
+        "caching on against off over requests sharing a prefix (cached_tokens is what the "
+        "server reported), 64 slots against 16 with the same KV pool (running_peak is the "
+        "running gauge's peak, scraped from /metrics), and the gaps between a running "
+        "stream's tokens while long prompts arrive, with chunked prefill and without.",
         "Network effects. Client and server share the same 2 cores, which understates the "
-        "server's capacity.",
+        "server's capacity. A --quick set's paged comparisons use fewer requests and one "
+        "round; the headline takes only the full-size ones.",
     ),
 }
 
@@ -123,6 +129,44 @@ HEADLINES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
         "slots_speedup",
         {"sampling": "temperature=0.8", "new_tokens": 128},
         "the same, sampled at temperature 0.8",
+    ),
+    # The paged KV cache's targets (issue #33), at their full sizes only.
+    (
+        "serve",
+        "prefix_cache_ttft_speedup",
+        {"prefix_len": 192, "requests": 48, "rounds": 3},
+        "p50 TTFT, prefix caching off / on, 48 requests sharing a 192-token prefix (target >= 3x)",
+    ),
+    (
+        "serve",
+        "prefix_cache_throughput_speedup",
+        {"prefix_len": 192, "requests": 48, "rounds": 3},
+        "output tokens/s, prefix caching on / off, the same requests (target >= 1.5x)",
+    ),
+    (
+        "serve",
+        "paged_concurrency_ratio",
+        {"prompt_len": 32, "requests": 256, "rounds": 3},
+        "peak running requests, 64 slots / 16 slots, one pool of 16 x max_len (target >= 4x)",
+    ),
+    (
+        "serve",
+        "paged_throughput_speedup",
+        {"prompt_len": 32, "requests": 256, "rounds": 3},
+        "output tokens/s at concurrency 64, 64 slots / 16 slots, the same pool (target >= 1.5x)",
+    ),
+    (
+        "serve",
+        "interference_itl_p99_ratio",
+        {"arrival_prompt_len": 224, "prefill_chunk_tokens": 64, "rounds": 3},
+        "p99 gap between a running stream's tokens, 224-token prompts arriving / none, "
+        "chunked prefill (target <= 2x)",
+    ),
+    (
+        "serve",
+        "interference_itl_p99_ratio",
+        {"arrival_prompt_len": 224, "prefill_chunk_tokens": 0, "rounds": 3},
+        "the same without chunked prefill (no target: the figure beside it)",
     ),
 )
 
@@ -172,7 +216,17 @@ _DERIVED_SHOWN = (
     "peer_tokens_per_s",
     "output_tokens_per_s",
     "requests_per_s",
+    "ttft_p50_s",
     "ttft_p99_s",
+    "cached_tokens",
+    "running_peak",
+    "pages_peak",
+    "preemptions",
+    "itl_p99_s",
+    "tokens_per_event",
+    "target",
+    "meets_target",
+    "loadavg_1m",
     "recompiles_while_timed",
     "interleaved",
     "warm_each",
@@ -204,9 +258,13 @@ def headline_table(recs: Sequence[Record]) -> list[str]:
         hit = [r for r in recs if _matches(r, suite, metric, case) and r.status == "ok"]
         if hit:
             r = hit[-1]
+            verdict = ""
+            if isinstance(r.derived.get("meets_target"), bool):
+                met = r.derived["meets_target"]
+                verdict = " (target met in every round)" if met else " (target missed)"
             lines.append(
-                f"| {what} | **{_fmt(r.stats.median)}x** | {r.suite}: {case_label(r.case)} "
-                f"| {machine(r)} |"
+                f"| {what} | **{_fmt(r.stats.median)}x**{verdict} | {r.suite}: "
+                f"{case_label(r.case)} | {machine(r)} |"
             )
         else:
             lines.append(f"| {what} | not measured in these record sets | - | - |")

@@ -1,12 +1,12 @@
 """The ``serve`` suite: a real HTTP server under load (``jaxlab bench serve``).
 
-A server is started in-process on an ephemeral 127.0.0.1 port (uvicorn on a thread, the
-engine on its own thread) over a randomly initialised model of the configured shape with
-the byte tokenizer (throughput does not depend on the weights; ``ignore_eos`` fixes every
-output length). Clients are aiohttp sessions streaming ``/v1/completions`` (SSE).
-To measure a running server instead, give its URL (``jaxlab bench serve --url URL``,
-``bench.serve_url``, or the ``SERVE_BENCH_URL`` environment variable) and
-``serve.api_key`` if it needs one; the slot comparison then is skipped.
+Servers are started in-process (:mod:`jaxlab.bench.serve_servers`: uvicorn on a thread,
+the engine on its own thread, a randomly initialised model of the configured shape, the
+byte tokenizer, ``ignore_eos`` so every output length is fixed). Clients are aiohttp
+sessions streaming ``/v1/completions`` (SSE). To measure a running server instead, give
+its URL (``jaxlab bench serve --url URL``, ``bench.serve_url``, or the ``SERVE_BENCH_URL``
+environment variable) and ``serve.api_key`` if it needs one; only the sweep and the
+Poisson cases run then.
 
 Cases:
 
@@ -14,31 +14,32 @@ Cases:
 - open loop: Poisson arrivals at fractions of the closed-loop capacity measured at
   concurrency 16;
 - ``slots_speedup``: output tokens/s of 16 slots over 1 slot (the serialized design),
-  both closed-loop at concurrency 16 (target >= 4x), greedy and sampled.
+  both closed-loop at concurrency 16 (target >= 4x), greedy and sampled;
+- the paged KV cache's: prefix caching and memory, with the timeline of pages in use
+  (:mod:`jaxlab.bench.serve_paged`), and interference (:mod:`jaxlab.bench.serve_interference`).
 
-Records per case: ``e2e_s`` (derived: requests/s, output tokens/s, errors, TTFT p99 and,
-with the server in-process, ``process_cpu_cores``: CPU seconds of the whole process,
-engine, HTTP and clients, per wall second, beside ``cpu_count``, and the server's
-``decode_groups``, ``serve.decode_groups`` resolved),
-``ttft_s``, ``tpot_s`` and ``itl_s`` (gaps between SSE events; one event carries up to
-``inference.stream_chunk_tokens`` tokens). Tails follow the harness rule (withheld under
-``bench.min_samples_for_tails`` samples).
+Records per load run (:func:`~jaxlab.bench.serve_records.run_records`): ``e2e_s``
+(derived: requests/s, output tokens/s, errors, TTFT p50 and p99 and, with the server
+in-process, ``process_cpu_cores``: CPU seconds of the whole process, engine, HTTP and
+clients, per wall second, beside ``cpu_count``, and the server's ``decode_groups``,
+``serve.decode_groups`` resolved), ``ttft_s``, ``tpot_s`` and ``itl_s`` (gaps between SSE
+events; one event carries up to ``inference.stream_chunk_tokens`` tokens). Tails follow
+the harness rule (withheld under ``bench.min_samples_for_tails`` samples).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from jaxlab.bench.context import BenchContext
 from jaxlab.bench.record import Record
+from jaxlab.bench.serve_records import percentile_or_none, ratio_record, run_records
+from jaxlab.bench.serve_servers import Servers, served_model
 from jaxlab.bench.suites import suite
 
 if TYPE_CHECKING:
-    from jaxlab.config import JaxlabConfig
-    from jaxlab.serve import ServedModel
     from jaxlab.serve.loadgen import LoadResult
 
 URL_ENV = "SERVE_BENCH_URL"
@@ -58,100 +59,28 @@ def _shape(ctx: BenchContext) -> tuple[int, int]:
     return prompt, new
 
 
-def _serve_cfg(cfg: JaxlabConfig, slots: int, new_tokens: int) -> JaxlabConfig:
-    c = cfg.model_copy(deep=True)
-    c.serve.slots = slots
-    c.serve.max_queue = max(c.serve.max_queue, 512)
-    c.serve.request_timeout_s = max(c.serve.request_timeout_s, 600.0)
-    c.serve.max_tokens_limit = max(c.serve.max_tokens_limit, new_tokens)
-    return c
-
-
-@contextlib.contextmanager
-def _server(
-    model: ServedModel, cfg: JaxlabConfig, slots: int, new_tokens: int
-) -> Iterator[tuple[str, int]]:
-    """A ready in-process server: ``(url, decode groups it runs)``."""
-    from jaxlab.serve import ModelService, ServerThread
-
-    service = ModelService.from_engine(
-        model.engine, model.tokenizer, _serve_cfg(cfg, slots, new_tokens)
-    )
-    srv = ServerThread(service).start()
-    try:
-        srv.wait_ready(timeout_s=1800)
-        yield srv.url, service.info()["decode_groups"]
-    finally:
-        srv.stop()
-
-
-def _p(values: list[float], q: float, min_n: int) -> float | None:
-    from jaxlab.bench.stats import percentile
-
-    if len(values) < min_n:
-        return None
-    return percentile(sorted(values), q / 100)
-
-
-def _records(
-    ctx: BenchContext,
-    load: LoadResult,
-    case: dict[str, Any],
-    extra: dict[str, Any] | None = None,
-    *,
-    in_process: bool,
-) -> Iterator[Record]:
-    """The case's records. ``in_process``: server and clients share this process, so its
-    CPU time is the whole stack's and ``process_cpu_cores`` means something."""
-    from jaxlab.bench.stats import median
-
-    n_min = ctx.min_samples_for_tails
-    ttft = load.samples("ttft_s")
-    if not load.ok:
-        yield ctx.failure(
-            "e2e_s", f"every request failed: {load.error_summary()}", case=case, unit="s"
-        )
-        return
-    derived: dict[str, Any] = {
-        "requests_per_s": load.requests_per_s,
-        "output_tokens_per_s": load.output_tokens_per_s,
-        "requests": len(load.results),
-        "errors": load.errors,
-        "error_kinds": load.error_summary(),
-        "wall_s": load.wall_s,
-        "ttft_p50_s": median(ttft) if ttft else None,
-        "ttft_p99_s": _p(ttft, 99, n_min),
-        **(extra or {}),
-    }
-    if in_process:
-        derived |= {"process_cpu_cores": load.cpu_cores, "cpu_count": os.cpu_count()}
-    yield ctx.record("e2e_s", "s", load.samples("e2e_s"), case=case, derived=derived)
-    for metric in ("ttft_s", "tpot_s", "itl_s"):
-        samples = load.samples(metric)
-        if samples:
-            yield ctx.record(metric, "s", samples, case=case)
-
-
-def _model(cfg: JaxlabConfig) -> ServedModel:
-    """A randomly initialised model of ``cfg.model`` and the tokenizer to serve it with."""
-    from jaxlab.infer.engine import Engine
-    from jaxlab.serve import ServedModel
-    from jaxlab.tokenizer import Tokenizer, byte_tokenizer
-
-    tok = Tokenizer.load(cfg.tokenizer.path) if cfg.tokenizer.path else byte_tokenizer()
-    return ServedModel(Engine.from_config(cfg, seed=0), tok)
-
-
 @suite(
     "serve",
     new_shapes=True,
-    description="HTTP serving under load: concurrency sweep, Poisson, slots vs 1",
+    description=(
+        "HTTP serving under load: concurrency sweep, Poisson, slots vs 1, paged KV cache "
+        "(prefix caching, memory, interference)"
+    ),
 )
 def serve_suite(ctx: BenchContext) -> Iterator[Record]:
+    from jaxlab.bench.serve_interference import interference_case
+    from jaxlab.bench.serve_paged import (
+        PagedRun,
+        memory_case,
+        paged_plan,
+        paged_shapes,
+        prefix_case,
+    )
     from jaxlab.serve.loadgen import closed_loop, completion_bodies, make_prompts, poisson
 
     cfg = ctx.config
     prompt_len, new = _shape(ctx)
+    cap = cfg.inference.max_len or cfg.model.max_seq_len
     external = cfg.bench.serve_url or os.environ.get(URL_ENV)
     api_key = cfg.serve.api_key.get_secret_value() if cfg.serve.api_key is not None else None
     model = cfg.serve.model_name if external else None
@@ -164,19 +93,24 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
     def run(url: str, n: int, concurrency: int, seed: int, temperature: float = 0.0) -> LoadResult:
         return closed_loop(url, bodies(n, seed, temperature), concurrency, api_key=api_key)
 
-    served = None if external else _model(cfg)
+    def warm(url: str, slots: int) -> None:
+        run(url, min(4, slots), min(4, slots), seed=999)  # untimed
+
+    served = None if external else served_model(cfg)
+    # Any request that fits the cache may ask for its length: the paged cases need more
+    # than the sweep's ``new`` tokens.
+    servers = None if served is None else Servers(served, cfg, cap, warm=warm, status=ctx.status)
     groups: dict[int, int] = {}  # slots -> the server's decode groups (in-process only)
-    with contextlib.ExitStack() as stack:
 
-        def start(slots: int) -> str:
-            if external:
-                return external
-            ctx.status(f"starting a {slots}-slot server (warm-up compiles every bucket)")
-            assert served is not None
-            url, groups[slots] = stack.enter_context(_server(served, cfg, slots, new))
-            run(url, min(4, slots), min(4, slots), seed=999)  # untimed
-            return url
+    def start(slots: int) -> str:
+        if external:
+            return external
+        assert servers is not None
+        server = servers.get(slots)
+        groups[slots] = server.decode_groups
+        return server.url
 
+    try:
         # ---- closed-loop sweep and Poisson arrivals, against 16 slots
         url = start(SWEEP_SLOTS)
         slots_label = "external" if external else SWEEP_SLOTS
@@ -189,7 +123,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
             if c == COMPARE_CONCURRENCY and load.ok:
                 capacity = load.requests_per_s
             extra = {"sampling": "greedy", **_groups(groups, SWEEP_SLOTS)}
-            yield from _records(ctx, load, case, extra, in_process=not external)
+            yield from run_records(ctx, load, case, extra, in_process=not external)
         if capacity:
             n = 16 if ctx.quick else 48
             for frac in [0.7] if ctx.quick else [0.5, 0.9]:
@@ -198,9 +132,9 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                 ctx.status(f"Poisson arrivals at {rate:.2f} req/s")
                 load = poisson(url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key)
                 extra = {"rate_per_s": rate, **_groups(groups, SWEEP_SLOTS)}
-                yield from _records(ctx, load, case, extra, in_process=not external)
-        if external:
-            ctx.status(f"measuring {external}: skipping the 16-slot vs 1-slot comparison")
+                yield from run_records(ctx, load, case, extra, in_process=not external)
+        if servers is None or served is None:
+            ctx.status(f"measuring {external}: skipping the comparisons between servers")
             return
 
         # ---- the comparison: the same requests against 16 slots and 1 slot, interleaved
@@ -227,8 +161,19 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                         "round": rep,
                         **base,
                     }
-                    yield from _records(ctx, load, case, _groups(groups, slots), in_process=True)
+                    yield from run_records(ctx, load, case, _groups(groups, slots), in_process=True)
             yield _speedup(ctx, results[SWEEP_SLOTS], results[1], sampling, base, groups)
+
+        # ---- the paged KV cache: prefix caching, memory, interference
+        paged = PagedRun(
+            ctx, servers, served.tokenizer, paged_shapes(cap), paged_plan(ctx.quick), api_key
+        )
+        yield from prefix_case(paged)
+        yield from memory_case(paged)
+        yield from interference_case(paged)
+    finally:
+        if servers is not None:
+            servers.close()
 
 
 def _groups(groups: dict[int, int], slots: int) -> dict[str, int]:
@@ -245,34 +190,31 @@ def _speedup(
 ) -> Record:
     """One ratio per round (each round measures 16 slots, then 1 slot, back to back)."""
     case = {"concurrency": COMPARE_CONCURRENCY, "sampling": sampling, **base}
+    ttft_many = [x for r in many for x in r.samples("ttft_s")]
+    ttft_one = [x for r in one for x in r.samples("ttft_s")]
+    n_min = ctx.min_samples_for_tails
+    # The rounds that failed on either side give no ratio; the others still do.
     ratios = [
         a.output_tokens_per_s / b.output_tokens_per_s
         for a, b in zip(many, one, strict=True)
         if a.ok and b.ok and b.output_tokens_per_s > 0
     ]
-    if not ratios:
-        return ctx.failure("slots_speedup", "a comparison round failed", case=case, unit="x")
-    ttft_many = [x for r in many for x in r.samples("ttft_s")]
-    ttft_one = [x for r in one for x in r.samples("ttft_s")]
-    n_min = ctx.min_samples_for_tails
-    return ctx.record(
+    return ratio_record(
+        ctx,
         "slots_speedup",
-        "x",
         ratios,
         case=case,
-        better="higher",
+        target=TARGET_SPEEDUP,
         derived={
             "output_tokens_per_s": sum(r.output_tokens_per_s for r in many) / len(many),
             "output_tokens_per_s_1slot": sum(r.output_tokens_per_s for r in one) / len(one),
             "requests_per_s": sum(r.requests_per_s for r in many) / len(many),
-            "ttft_p99_s": _p(ttft_many, 99, n_min),
-            "ttft_p99_s_1slot": _p(ttft_one, 99, n_min),
+            "ttft_p99_s": percentile_or_none(ttft_many, 99, n_min),
+            "ttft_p99_s_1slot": percentile_or_none(ttft_one, 99, n_min),
             "process_cpu_cores": sum(r.cpu_cores for r in many) / len(many),
             "process_cpu_cores_1slot": sum(r.cpu_cores for r in one) / len(one),
             "decode_groups": groups.get(SWEEP_SLOTS),
             "decode_groups_1slot": groups.get(1),
             "errors": sum(r.errors for r in [*many, *one]),
-            "target": TARGET_SPEEDUP,
-            "meets_target": min(ratios) >= TARGET_SPEEDUP,
         },
     )

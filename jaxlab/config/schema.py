@@ -258,6 +258,29 @@ class InferenceConfig(Section):
     stream_chunk_tokens: int = Field(
         default=8, ge=1, description="Tokens decoded per host round trip."
     )
+    page_size: int = Field(default=16, ge=1, le=4096, description="Tokens per KV-cache page.")
+    num_pages: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "KV-cache pages in all (every slot group's pool together). Default: enough for"
+            " every slot to hold max_len tokens. Exclusive with kv_cache_mib."
+        ),
+    )
+    kv_cache_mib: float | None = Field(
+        default=None,
+        gt=0,
+        description="KV-cache memory budget in MiB, instead of num_pages.",
+    )
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> InferenceConfig:
+        if self.num_pages is not None and self.kv_cache_mib is not None:
+            raise ValueError(
+                f"inference.num_pages = {self.num_pages} and inference.kv_cache_mib ="
+                f" {self.kv_cache_mib} both size the KV pool: set one of them"
+            )
+        return self
 
     @field_validator(*SAMPLING_RANGES)
     @classmethod
@@ -288,6 +311,18 @@ class ServeConfig(Section):
             "Slot groups decoded concurrently, each its own batch on its own thread; must"
             " divide serve.slots. 0 = auto: on the CPU backend the largest divisor of slots"
             " at most the usable cores, elsewhere 1."
+        ),
+    )
+    prefix_caching: bool = Field(
+        default=True,
+        description="Share the KV pages of prompt prefixes already computed (hash chain).",
+    )
+    prefill_chunk_tokens: int = Field(
+        default=64,
+        ge=0,
+        description=(
+            "Prompt tokens prefilled per scheduler step, between decode chunks, so running"
+            " requests keep their pace while a long prompt enters. 0 = whole prompts."
         ),
     )
     max_queue: int = Field(

@@ -225,6 +225,7 @@ class ServeApp:
                 "token_ids": h.token_ids,
                 "finish_reason": h.finish_reason,
                 "prompt_tokens": len(req.prompt_ids),
+                "cached_tokens": h.cached_tokens,
                 "generated_tokens": len(h.token_ids),
                 "prefill_s": h.prefill_s,
                 "decode_s": h.decode_s,
@@ -256,8 +257,8 @@ class ServeApp:
         req, _ = self._request(prompt, body)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def usage(h: RequestStream) -> dict[str, int]:
-            return usage_doc(len(req.prompt_ids), len(h.token_ids))
+        def usage(h: RequestStream) -> dict[str, Any]:
+            return usage_doc(len(req.prompt_ids), len(h.token_ids), h.cached_tokens)
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
             return completion_doc(cid, created, self.service.model_name, text, finish)

@@ -1,16 +1,21 @@
 """A load generator for ``/v1/completions`` with streaming (aiohttp client sessions).
 
-Two arrival patterns:
+Three arrival patterns:
 
 - **closed loop** (:func:`closed_loop`): ``concurrency`` workers, each sending its next
   request as soon as the previous one finished: throughput at a fixed number in flight.
 - **open loop** (:func:`poisson`): requests start at Poisson arrival times (exponential
   gaps, seeded) whatever the server's state: latency under an offered rate.
+- **a closed loop under arrivals** (:func:`closed_loop_with_arrivals`): a closed loop while
+  other requests keep arriving at a fixed interval, until the loop's requests are done:
+  what new arrivals cost the requests already running.
 
 Per request it measures, on the client: TTFT (send to the first SSE event with text),
 the gaps between SSE events (ITL; one event carries up to ``inference.stream_chunk_tokens``
 tokens), TPOT ((last - first event) / (tokens - 1)) and end-to-end latency; the output
-token count is the server's ``usage.completion_tokens`` (``stream_options.include_usage``).
+token count is the server's ``usage.completion_tokens`` (``stream_options.include_usage``),
+and the prompt tokens the server found in its prefix cache are
+``usage.prompt_tokens_details.cached_tokens`` (None where the server reports none).
 
 The client is aiohttp rather than httpx because the client's own cost per request sits on a
 closed loop's critical path: when a wave of answers ends, the next requests reach the
@@ -29,7 +34,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +50,8 @@ class RequestResult:
     ttft_s: float | None = None
     event_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
     error: str | None = None
 
     @property
@@ -88,6 +95,17 @@ class LoadResult:
         return sum(r.output_tokens for r in self.ok)
 
     @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the server served from its prefix cache, over the answered requests;
+        None when no answer reported any (a server without prefix caching)."""
+        reported = [r.cached_tokens for r in self.ok if r.cached_tokens is not None]
+        return sum(reported) if reported else None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.ok)
+
+    @property
     def requests_per_s(self) -> float:
         return len(self.ok) / self.wall_s if self.wall_s > 0 else float("nan")
 
@@ -116,12 +134,33 @@ class LoadResult:
         return out
 
 
+#: The characters of generated prompts: one byte-tokenizer token each.
+PROMPT_ALPHABET = "abcdefghijklmnopqrstuvwxyz     "
+
+
 def make_prompts(n: int, length: int, seed: int = 0) -> list[str]:
     """``n`` random lowercase-and-space strings of ``length`` characters (one byte-tokenizer
     token per character)."""
     rng = random.Random(seed)
-    alphabet = "abcdefghijklmnopqrstuvwxyz     "
-    return ["".join(rng.choice(alphabet) for _ in range(length)) for _ in range(n)]
+    return ["".join(rng.choice(PROMPT_ALPHABET) for _ in range(length)) for _ in range(n)]
+
+
+def make_shared_prefix_prompts(
+    n: int, prefix_len: int, suffix_len: int, seed: int = 0
+) -> list[str]:
+    """``n`` prompts of ``prefix_len + suffix_len`` characters: one random prefix shared by
+    all, then a suffix of each prompt's own, no two alike (characters as
+    :func:`make_prompts`)."""
+    rng = random.Random(seed)
+    prefix = "".join(rng.choice(PROMPT_ALPHABET) for _ in range(prefix_len))
+    suffixes: dict[str, None] = {}  # insertion-ordered set
+    for _ in range(100 * n):
+        if len(suffixes) == n:
+            break
+        suffixes["".join(rng.choice(PROMPT_ALPHABET) for _ in range(suffix_len))] = None
+    if len(suffixes) < n:
+        raise ValueError(f"cannot draw {n} distinct suffixes of {suffix_len} characters")
+    return [prefix + s for s in suffixes]
 
 
 def completion_bodies(
@@ -181,8 +220,12 @@ async def one_request(
                 if "error" in doc:
                     res.error = str(doc["error"].get("message"))
                     return res
-                if doc.get("usage"):
-                    res.output_tokens = int(doc["usage"]["completion_tokens"])
+                if usage := doc.get("usage"):
+                    res.output_tokens = int(usage["completion_tokens"])
+                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        res.cached_tokens = int(details["cached_tokens"])
                 choices = doc.get("choices") or []
                 if choices and choices[0].get("text"):
                     now = time.perf_counter()
@@ -257,6 +300,38 @@ async def poisson_async(
     return LoadResult(results, wall, cpu)
 
 
+async def closed_loop_with_arrivals_async(
+    url: str,
+    bodies: Sequence[dict[str, Any]],
+    concurrency: int,
+    arrival_body: Callable[[int], dict[str, Any]],
+    interval_s: float,
+    *,
+    api_key: str | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[LoadResult, LoadResult]:
+    """A closed loop over ``bodies`` while request ``arrival_body(i)`` arrives at ``t0 + i *
+    interval_s`` (i = 0, 1, ...) until the loop's last request is answered; returns (the
+    loop's result, the arrivals' result). Arrivals still in flight then are awaited."""
+    loop_task = asyncio.ensure_future(
+        closed_loop_async(url, bodies, concurrency, api_key=api_key, timeout_s=timeout_s)
+    )
+    endpoint = completions_url(url)
+    async with _session(api_key, 1024, timeout_s) as session:
+        t0, c0 = time.perf_counter(), time.process_time()
+        tasks: list[asyncio.Future[RequestResult]] = []
+        for i in itertools.count():
+            delay = t0 + i * interval_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.wait([loop_task], timeout=delay)
+            if loop_task.done():
+                break
+            tasks.append(asyncio.ensure_future(one_request(session, endpoint, arrival_body(i))))
+        results = list(await asyncio.gather(*tasks))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return loop_task.result(), LoadResult(results, wall, cpu)
+
+
 def closed_loop(
     url: str, bodies: Sequence[dict[str, Any]], concurrency: int, **kw: Any
 ) -> LoadResult:
@@ -267,14 +342,31 @@ def poisson(url: str, bodies: Sequence[dict[str, Any]], rate_per_s: float, **kw:
     return asyncio.run(poisson_async(url, bodies, rate_per_s, **kw))
 
 
+def closed_loop_with_arrivals(
+    url: str,
+    bodies: Sequence[dict[str, Any]],
+    concurrency: int,
+    arrival_body: Callable[[int], dict[str, Any]],
+    interval_s: float,
+    **kw: Any,
+) -> tuple[LoadResult, LoadResult]:
+    return asyncio.run(
+        closed_loop_with_arrivals_async(url, bodies, concurrency, arrival_body, interval_s, **kw)
+    )
+
+
 __all__ = [
+    "PROMPT_ALPHABET",
     "LoadResult",
     "RequestResult",
     "closed_loop",
     "closed_loop_async",
+    "closed_loop_with_arrivals",
+    "closed_loop_with_arrivals_async",
     "completion_bodies",
     "completions_url",
     "make_prompts",
+    "make_shared_prefix_prompts",
     "one_request",
     "poisson",
     "poisson_async",

@@ -108,14 +108,41 @@ class ServeMetrics:
             registry=r,
         )
         self.running = Gauge(
-            "jaxlab_num_requests_running", "Requests holding a decode slot.", registry=r
+            "jaxlab_num_requests_running",
+            "Requests holding a decode slot (being prefilled or decoding).",
+            registry=r,
         )
         self.waiting = Gauge(
             "jaxlab_num_requests_waiting", "Requests queued for a decode slot.", registry=r
         )
         self.kv_usage = Gauge(
             "jaxlab_kv_cache_usage_ratio",
-            "Cache positions holding tokens of running requests / (slots * max_len).",
+            "KV-cache pages held by requests / pages, every slot group's pool together.",
+            registry=r,
+        )
+        self.pages_used = Gauge(
+            "jaxlab_kv_cache_pages_used",
+            "KV-cache pages held by at least one request (cached pages nobody holds are free).",
+            registry=r,
+        )
+        self.pages_total = Gauge(
+            "jaxlab_kv_cache_pages_total",
+            "KV-cache pages, every slot group's pool together (inference.num_pages).",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "jaxlab_num_preemptions",
+            "Running requests preempted for lack of KV pages (recomputed when readmitted).",
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "jaxlab_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache, one lookup per admission.",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "jaxlab_prefix_cache_hits",
+            "Prompt tokens whose K/V came from the prefix cache instead of a prefill.",
             registry=r,
         )
         self.slots = Gauge(

@@ -82,6 +82,7 @@ class RequestStream:
         self.finish_reason: FinishReason | None = None
         self.error: ServeError | None = None
         self.token_ids: list[int] = []
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.t_arrival = time.perf_counter()
         self.t_admit: float | None = None
         self.t_first: float | None = None
@@ -143,7 +144,8 @@ class RequestStream:
 
     # ------------------------------------------------------------------ the scheduler's side
 
-    def admitted(self) -> None:
+    def admitted(self, cached_tokens: int = 0) -> None:
+        self.cached_tokens = cached_tokens
         self.t_admit = time.perf_counter()
         self.metrics.queue_time.observe(self.t_admit - self.t_arrival)
         self.metrics.prompt_tokens.inc(len(self.request.prompt_ids))

@@ -1,4 +1,5 @@
-"""Scheduling decisions as pure functions: admission group sizes, slot choice, slot groups.
+"""Scheduling decisions as pure functions: admission group sizes, slot choice, slot groups,
+the paged KV cache's split over the groups, prefill chunks, page growth and preemption.
 
 The scheduler (:mod:`jaxlab.serve.scheduler`) asks these what to do; they hold no state,
 touch no device and start no thread, so each is tested on its own (with hypothesis).
@@ -12,12 +13,11 @@ from collections.abc import Sequence
 
 
 def admission_sizes(prefill_batch: int) -> tuple[int, ...]:
-    """Group sizes for prefilling admitted requests together, largest first: the powers
-    of two below ``prefill_batch``, and ``prefill_batch`` itself (``8 -> (8, 4, 2, 1)``).
-
-    Why not only ``prefill_batch`` and 1: in a closed loop requests mostly arrive a few at
-    a time, and one prompt alone is the least efficient prefill per row. Every size is one
-    more compiled prefill per bucket, so the sizes are few and fixed.
+    """Row counts of the prefill calls the warm-up makes, largest first: the powers of two
+    below ``prefill_batch``, and ``prefill_batch`` itself (``8 -> (8, 4, 2, 1)``). The
+    engine pads a call's rows to a power of two, so these reach every row bucket a call of
+    at most ``prefill_batch`` chunks can use, and nothing else: every bucket is one more
+    compiled prefill per length bucket.
     """
     sizes = {prefill_batch}
     n = 1
@@ -25,23 +25,6 @@ def admission_sizes(prefill_batch: int) -> tuple[int, ...]:
         sizes.add(n)
         n *= 2
     return tuple(sorted(sizes, reverse=True))
-
-
-def split_admission(n: int, sizes: Sequence[int]) -> list[int]:
-    """Prefill calls for ``n`` requests over the compiled group ``sizes`` (largest first,
-    which include 1): full groups of the largest size, then one group of the smallest size
-    that holds the rest, padded: ``15, (8, 4, 2, 1) -> [8, 8]``, ``3 -> [4]``.
-
-    Why pad instead of cutting the rest into its binary digits (``15 -> [8, 4, 2, 1]``):
-    a prefill call's cost grows much slower than its rows, and each call also costs the
-    engine thread a host round trip.
-    """
-    largest = sizes[0]
-    full, rest = divmod(n, largest)
-    out = [largest] * full
-    if rest:
-        out.append(min(s for s in sizes if s >= rest))
-    return out
 
 
 def usable_cores() -> int:
@@ -70,36 +53,121 @@ def decode_groups_for(slots: int, requested: int, platform: str, cores: int | No
     return max(g for g in range(1, cap + 1) if slots % g == 0)
 
 
-def pick_slots(busy: Sequence[bool], group_rows: int, n: int) -> list[int]:
-    """``n`` free slots (``busy[s]`` false) for new requests, in the order they are taken.
+def slot_candidates(busy: Sequence[bool], group_rows: int) -> list[int]:
+    """Where a new request may go, best first: the lowest free slot of each slot group that
+    has one, the group with the fewest busy slots first (ties: the lowest group).
 
-    Slots ``g * group_rows ..`` form group ``g``. Each request takes the lowest free slot
-    of the group with the fewest busy slots (ties: the lowest group), counting the ones
-    taken before it: requests spread over the groups, so the groups' chunks share the work,
+    Why this order: requests spread over the groups, so the groups' chunks share the work,
     and pack low within a group, as a decode step computes a group's rows only up to its
-    last busy one. With one group: the ``n`` lowest free slots. Raises ``ValueError`` if
-    fewer than ``n`` are free.
+    last busy one. A request takes the first candidate whose group's page pool admits it
+    (each group has a pool of its own), so the others are the fallbacks.
+    """
+    groups = [range(g, min(g + group_rows, len(busy))) for g in range(0, len(busy), group_rows)]
+    order = sorted(range(len(groups)), key=lambda i: (sum(busy[s] for s in groups[i]), i))
+    return [
+        next(s for s in groups[i] if not busy[s])
+        for i in order
+        if not all(busy[s] for s in groups[i])
+    ]
+
+
+def pick_slots(busy: Sequence[bool], group_rows: int, n: int) -> list[int]:
+    """``n`` free slots (``busy[s]`` false) for new requests, in the order they are taken:
+    each the first of :func:`slot_candidates`, counting the ones taken before it. With one
+    group: the ``n`` lowest free slots. Raises ``ValueError`` if fewer than ``n`` are free.
     """
     taken = list(busy)
-    groups = [range(g, min(g + group_rows, len(busy))) for g in range(0, len(busy), group_rows)]
-    load = [sum(taken[s] for s in r) for r in groups]
     out: list[int] = []
     for _ in range(n):
-        open_groups = [i for i, r in enumerate(groups) if not all(taken[s] for s in r)]
-        if not open_groups:
+        candidates = slot_candidates(taken, group_rows)
+        if not candidates:
             raise ValueError(f"{n} slots asked, {busy.count(False)} free")
-        i = min(open_groups, key=lambda i: (load[i], i))
-        slot = next(s for s in groups[i] if not taken[s])
-        taken[slot] = True
-        load[i] += 1
-        out.append(slot)
+        taken[candidates[0]] = True
+        out.append(candidates[0])
     return out
+
+
+# ----------------------------------------------------------------------------- the paged cache
+
+
+def pages_per_group(total_pages: int, groups: int) -> int:
+    """Each slot group's pool: the server's ``total_pages`` split evenly (the remainder of
+    the division is left unused). Raises ``ValueError`` when a group would get none."""
+    if total_pages < groups:
+        raise ValueError(
+            f"a KV pool of {total_pages} pages cannot be split over {groups} slot groups"
+            " (each needs at least one page): raise inference.num_pages or"
+            " inference.kv_cache_mib, or lower serve.decode_groups"
+        )
+    return total_pages // groups
+
+
+def kv_tokens(prompt_tokens: int, max_new_tokens: int) -> int:
+    """The most positions of K/V one request ever holds: its prompt and every generated
+    token but the last (a token's K/V is written when it is fed back, and the last one
+    never is)."""
+    return prompt_tokens + max_new_tokens - 1
+
+
+def never_fits(prompt_tokens: int, max_new_tokens: int, page_size: int, group_pages: int) -> bool:
+    """True when a request cannot run even alone in a slot group's pool: its prompt plus
+    ``max_new_tokens`` take more pages than the pool has. (The same sum as the
+    ``inference.max_len`` check of ``Request.create``, so the two limits read alike; it
+    counts one position more than :func:`kv_tokens`, which growth uses.)"""
+    return -(-(prompt_tokens + max_new_tokens) // page_size) > group_pages
+
+
+def grow_target(position: int, chunk_tokens: int, chunks_ahead: int, cap: int) -> int:
+    """Tokens a decoding row's pages must cover before the next ``generate``: its device
+    position (that of its last sampled token, not yet written), plus ``chunk_tokens`` for
+    the chunk about to run and for each of its ``chunks_ahead`` chunks dispatched but not
+    yet read back, at most ``cap`` (:func:`kv_tokens`)."""
+    return min(cap, position + chunk_tokens * (1 + chunks_ahead))
+
+
+def plan_chunks(waiting: Sequence[tuple[int, int]], budget: int | None, max_rows: int) -> list[int]:
+    """Prompt tokens to prefill this round for each sequence being prefilled (0: none).
+
+    ``waiting`` holds ``(slot group, tokens left)`` per sequence, oldest first; ``budget``
+    is the round's token limit (None: none, whole prompts) and ``max_rows`` the most
+    sequences one group prefills in one call. Oldest first, each gets what it has left
+    while the budget lasts; the first that does not fit gets the rest of the budget (its
+    prompt continues next step). So one long prompt cannot hold back the decode chunk for
+    longer than ``budget`` tokens of prefill, and short prompts are packed together.
+    """
+    out: list[int] = []
+    rows: dict[int, int] = {}
+    for group, left in waiting:
+        take = left if budget is None else min(left, budget)
+        if take <= 0 or rows.get(group, 0) >= max_rows:
+            out.append(0)
+            continue
+        rows[group] = rows.get(group, 0) + 1
+        out.append(take)
+        if budget is not None:
+            budget -= take
+    return out
+
+
+def warm_chunk_lengths(buckets: Sequence[int], chunk_tokens: int, max_len: int) -> list[int]:
+    """One chunk length per prefill length bucket that serving can use (the warm-up
+    prefills each): every bucket below the chunk limit (``chunk_tokens``, 0 = whole
+    prompts, i.e. ``max_len``), and the limit itself, whose bucket holds every longer
+    chunk."""
+    limit = min(chunk_tokens or max_len, max_len)
+    return [b for b in sorted(set(buckets)) if b < limit] + [limit]
 
 
 __all__ = [
     "admission_sizes",
     "decode_groups_for",
+    "grow_target",
+    "kv_tokens",
+    "never_fits",
+    "pages_per_group",
     "pick_slots",
-    "split_admission",
+    "plan_chunks",
+    "slot_candidates",
     "usable_cores",
+    "warm_chunk_lengths",
 ]

@@ -218,11 +218,14 @@ def completion_doc(
     }
 
 
-def usage_doc(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_doc(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V
+    came from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

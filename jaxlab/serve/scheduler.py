@@ -1,27 +1,35 @@
-"""Continuous batching: admission into decode slots, and the decode loop.
+"""Continuous batching over a paged KV cache: admission by memory, chunked prefill,
+preemption, and the decode loop.
 
 The scheduler takes checked :class:`~jaxlab.infer.request.Request` objects, each with an
 :class:`Output`, queues them (:mod:`jaxlab.serve.waiting`) and runs them over the engine's
-verbs on ``slots`` decode slots held in slot groups (:mod:`jaxlab.serve.slots`), as the
-pure functions of :mod:`jaxlab.serve.policy` decide. It reports ``(tokens, done)`` and
-failures to each request's output and knows nothing of HTTP, text or tokenizers: stop
-strings, detokenisation and per-request metrics are the output's
-(:mod:`jaxlab.serve.output`).
+verbs on ``slots`` decode slots held in slot groups (:mod:`jaxlab.serve.slots`), each
+group a decode state over a page pool of its own, as the pure functions of
+:mod:`jaxlab.serve.policy` decide. It reports ``(tokens, done)`` and failures to each
+request's output and knows nothing of HTTP, text or tokenizers: stop strings,
+detokenisation and per-request metrics are the output's (:mod:`jaxlab.serve.output`).
+The pools own the pages, the engine the device; the scheduler decides who gets which.
 
 One :meth:`Scheduler.step` (:meth:`Scheduler.run` loops it on the engine thread)::
 
-    drop cancelled / timed-out requests (their slots are freed at once)
-    admit: while a slot is free and a request waits -> prefill -> insert
-           (admitted requests go in groups of the compiled sizes, the last one padded;
-           requests that arrive meanwhile are admitted too, before the next chunk)
-    one generate(k) per slot group with a busy slot, all at once
+    drop cancelled / timed-out requests (their slots and pages are freed at once)
+    prefill, until the step's token budget (serve.prefill_chunk_tokens) is spent:
+        admit: while a slot is free and the head request's pages fit a group's pool
+        prefill the next chunk of each admitted prompt, oldest first, one call per group
+        insert the prompts whose last chunk ran (a row done already takes no slot)
+    grow every decoding row's pages to cover the coming chunk; when a pool runs dry,
+        preempt its newest request (pages and slot freed, requeued at the head)
+    one generate(k) per slot group with a decoding row, all at once
     hand the *previous* chunk's tokens to their outputs; free the finished slots
 
 Decoding is pipelined one chunk deep: the host routes chunk ``i`` while chunk ``i + 1``
 runs, so the device never waits for the host's per-token work. Each chunk carries the
 slot -> request map of its dispatch time; a request that finished meanwhile (its output
 asked to stop, a cancel) ignores the tokens computed for it after that. With
-``chunk_delay_s`` (tests: a slower device) a chunk is routed as soon as it is done.
+``chunk_delay_s`` (tests: a slower device) a chunk is routed as soon as it is done. A
+preemption first routes the chunk in flight, so the preempted request's tokens are all
+known when it is requeued: it is recomputed from its prompt and those tokens, and its
+output continues with the very next token.
 
 Warm-up (:meth:`Scheduler.warmup`) compiles every shape the loop uses; after it nothing
 compiles while serving.
@@ -29,6 +37,7 @@ compiles while serving.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -37,17 +46,24 @@ from typing import TYPE_CHECKING, Any
 
 from jaxlab.serve.errors import Cancelled, EngineFailure, ServeError, ShuttingDown
 from jaxlab.serve.metrics import ServeMetrics
-from jaxlab.serve.policy import admission_sizes, pick_slots, split_admission
-from jaxlab.serve.slots import Engine, SlotGroup, SlotGroups
+from jaxlab.serve.policy import (
+    admission_sizes,
+    grow_target,
+    kv_tokens,
+    never_fits,
+    pages_per_group,
+    plan_chunks,
+    slot_candidates,
+    warm_chunk_lengths,
+)
+from jaxlab.serve.slots import PAD_TOKEN, Engine, SlotGroup, SlotGroups
 from jaxlab.serve.waiting import Entry, Output, Waiting
 
 if TYPE_CHECKING:
+    from jaxlab.infer.engine import Chunk
     from jaxlab.infer.request import Request
 
 log = logging.getLogger("jaxlab.serve")
-
-#: Token of the padding rows of an admission group (any valid id: the row takes no slot).
-PAD_TOKEN = 0
 
 
 @dataclass
@@ -60,19 +76,25 @@ class _Chunk:
 
 
 class Scheduler:
-    """Slots, the waiting queue and the decode loop (module docstring).
+    """Slots, pages, the waiting queue and the decode loop (module docstring).
 
     Args:
-      engine: the engine's verbs (:class:`~jaxlab.serve.slots.Engine`: a real
+      engine: the engine's verbs (:class:`~jaxlab.serve.slots.Engine`: a real paged
         :class:`~jaxlab.infer.engine.Engine`, or a fake).
-      slots: decode slots (rows of the KV cache), split into ``decode_groups`` equal slot
-        groups (a divisor of ``slots``: :func:`~jaxlab.serve.policy.decode_groups_for`).
+      slots: decode slots (rows of the decode states), split into ``decode_groups`` equal
+        slot groups (a divisor of ``slots``: :func:`~jaxlab.serve.policy.decode_groups_for`).
       max_queue: waiting requests beyond which :meth:`submit` raises :class:`QueueFull`.
       request_timeout_s: arrival to last token; past it the request fails.
       chunk_tokens: decode steps per ``generate`` call.
-      prefill_batch: the largest admission group prefilled as one ragged batch; the
-        smaller ones are :func:`~jaxlab.serve.policy.admission_sizes`.
-      metrics: where the gauges (running, waiting, cache usage, slots) go.
+      prefill_batch: the most chunks one group prefills in one call (the engine pads a
+        call's rows to a power of two; the warm-up makes one call of each
+        :func:`~jaxlab.serve.policy.admission_sizes` row count).
+      num_pages: KV pages of the whole server, split evenly over the groups (default:
+        every slot can hold ``max_len`` tokens, the memory of a contiguous cache).
+      prefill_chunk_tokens: prompt tokens prefilled per step at most (0: whole prompts).
+      prefix_caching: reuse the pages of prompt prefixes already computed.
+      metrics: where the gauges and counters (running, waiting, pages, prefix cache,
+        preemptions) go.
     """
 
     def __init__(
@@ -85,6 +107,9 @@ class Scheduler:
         chunk_tokens: int,
         decode_groups: int = 1,
         prefill_batch: int = 1,
+        num_pages: int | None = None,
+        prefill_chunk_tokens: int = 0,
+        prefix_caching: bool = False,
         metrics: ServeMetrics | None = None,
     ) -> None:
         self.engine = engine
@@ -92,23 +117,34 @@ class Scheduler:
         self.prefill_batch = max(1, min(prefill_batch, slots))
         self.admission_sizes = admission_sizes(self.prefill_batch)
         self.chunk_tokens = chunk_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefix_caching = prefix_caching
+        self.page_size = engine.page_size
+        max_pages = -(-engine.max_len // self.page_size)
+        self.num_pages = slots * max_pages if num_pages is None else num_pages
+        self.group_pages = pages_per_group(self.num_pages, decode_groups)
         self.metrics = metrics or ServeMetrics()
         self.metrics.slots.set(slots)
         self.metrics.decode_groups.set(decode_groups)
-        self.groups = SlotGroups(engine, slots, decode_groups)
+        self.groups = SlotGroups(engine, slots, decode_groups, self.group_pages, prefix_caching)
+        self.metrics.pages_total.set(self.groups.pages_total)
         #: Seconds between decode chunks (0 = none): a slower device, for tests.
         self.chunk_delay_s = 0.0
         self.chunks = 0
+        self.preemptions = 0
         self.compiles_after_warmup: dict[str, int] | None = None
         self.warmup_s: float | None = None
         self._waiting = Waiting(max_queue, request_timeout_s)
         self._running: list[Entry | None] = [None] * slots
+        self._admissions = itertools.count(1)
+        self._blocked = False  # the head request waits for pages, not for a slot
         self._abort: ServeError | None = None
         self._next_chunk_at = 0.0
         self._inflight: _Chunk | None = None
 
     @property
     def num_running(self) -> int:
+        """Requests holding a slot (and pages): being prefilled or decoding."""
         return sum(s is not None for s in self._running)
 
     @property
@@ -123,7 +159,8 @@ class Scheduler:
 
     def warmup(self, should_stop: Callable[[], bool] | None = None) -> dict[str, int] | None:
         """Compile every shape the loop uses (:meth:`SlotGroups.warm_up` with this
-        scheduler's admission sizes and chunk length); return the engine's compile counts.
+        scheduler's prefill row counts, chunk lengths and decode chunk); return the engine's
+        compile counts.
 
         ``should_stop`` is asked before each compile; once it says yes the warm-up ends
         there and returns None (the scheduler is then not usable), so a stop during a long
@@ -135,9 +172,13 @@ class Scheduler:
             # Warm-up compiles on purpose: "recompiled" warnings are for serving.
             return "recompiled" not in record.getMessage()
 
+        eng = self.engine
+        lengths = warm_chunk_lengths(eng.buckets, self.prefill_chunk_tokens, eng.max_len)
+        # A chunk starts past 0 when a prompt is split, or when its prefix was cached.
+        extend = self.prefill_chunk_tokens > 0 or self.prefix_caching
         logging.getLogger("jaxlab.compile").addFilter(quiet)
         try:
-            calls = self.groups.warm_up(self.admission_sizes, self.chunk_tokens, PAD_TOKEN)
+            calls = self.groups.warm_up(self.admission_sizes, lengths, extend, self.chunk_tokens)
             for _ in calls:  # one compile per step
                 if should_stop is not None and should_stop():
                     return None
@@ -149,17 +190,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the caller's side
 
+    def refusal(self, request: Request) -> str | None:
+        """Why ``request`` can never run here (it needs more pages than a slot group's
+        pool holds, even alone), or None. Checked before it is queued."""
+        n, m = len(request.prompt_ids), request.sampling.max_new_tokens
+        if not never_fits(n, m, self.page_size, self.group_pages):
+            return None
+        need = -(-(n + m) // self.page_size)
+        split = f"{self.num_pages} pages over {len(self.groups)} slot groups"
+        return (
+            f"prompt ({n} tokens) + max_new_tokens ({m}) = {n + m} tokens needs {need} KV-cache"
+            f" pages of {self.page_size} tokens, more than a slot group's pool holds"
+            f" ({self.group_pages}: {split}, from inference.num_pages or"
+            " inference.kv_cache_mib); shorten the prompt, lower max_tokens or raise the pool"
+        )
+
     def submit(self, request: Request, output: Output) -> int:
         """Queue ``request`` (checked by ``Request.create``); its results go to ``output``.
-        Returns its id (for :meth:`cancel`). Raises :class:`~jaxlab.serve.errors.QueueFull`
-        or :class:`~jaxlab.serve.errors.NotAccepting`. Thread-safe."""
+        Returns its id (for :meth:`cancel`). Raises
+        :class:`~jaxlab.infer.request.RequestTooLong` if it can never fit the KV pool
+        (:meth:`refusal`), :class:`~jaxlab.serve.errors.QueueFull` or
+        :class:`~jaxlab.serve.errors.NotAccepting`. Thread-safe."""
+        problem = self.refusal(request)
+        if problem is not None:
+            from jaxlab.infer.request import RequestTooLong
+
+            raise RequestTooLong(problem, param="prompt")
         entry = self._waiting.put(request, output)
         self.metrics.waiting.set(len(self._waiting))
         return entry.id
 
     def cancel(self, rid: int) -> None:
-        """Stop request ``rid`` (no-op once it ended): it leaves the queue or its slot is
-        freed on the next step, and its output fails with ``Cancelled``. Thread-safe."""
+        """Stop request ``rid`` (no-op once it ended): it leaves the queue or its slot and
+        pages are freed on the next step, and its output fails with ``Cancelled``.
+        Thread-safe."""
         self._waiting.cancel(rid)
 
     def close_admission(self) -> None:
@@ -188,9 +252,10 @@ class Scheduler:
             while not self._waiting.stopped:
                 if not self.step():
                     wait = 0.05  # also the period of the queue's timeout checks
-                    if self.num_running:
+                    if self._decoding():
                         wait = min(max(self._next_chunk_at - time.perf_counter(), 0.0), wait)
-                    self._waiting.sleep(wait, free=None in self._running)
+                    free = None in self._running and not self._blocked
+                    self._waiting.sleep(wait, free=free)
                 self._update_gauges()
         finally:  # stopped, or the loop itself crashed: nothing in flight is left waiting
             self._shutdown()
@@ -199,119 +264,211 @@ class Scheduler:
         """One iteration (module docstring); False when there was nothing to do."""
         if self._waiting.stopped:
             return False
-        dropped, admit = self._waiting.poll(free=self._running.count(None))
-        for entry, why in dropped:
-            self._fail(entry, why)
-        now, reaped = time.perf_counter(), 0
-        for entry in list(self._running):  # cancelled and timed-out running requests
-            why = None if entry is None else self._waiting.expired(entry, now)
-            if entry is not None and why is not None:
-                self._fail(entry, why)
-                reaped += 1
-        admitted = self._admit_until_full(admit)
-        if self.num_running and time.perf_counter() >= self._next_chunk_at:
+        reaped = self._reap()
+        prefilled = self._prefill()
+        if self._decoding() and time.perf_counter() >= self._next_chunk_at:
             self._decode_chunk()
         elif self._inflight is not None:
             chunk, self._inflight = self._inflight, None
             self._route(chunk)
         else:
-            return bool(dropped or reaped or admitted)
+            return reaped or prefilled
         return True
 
-    def _admit_until_full(self, admit: list[Entry]) -> int:
-        """Admit ``admit``, then whatever arrived during its prefills, until the queue is
-        empty or no slot is free; returns how many requests were taken.
+    def _decoding(self) -> bool:
+        return any(e is not None and e.decoding for e in self._running)
 
-        Prefill goes before the next decode chunk (as vLLM's scheduler prefers prefills):
-        a wave of freed slots refilled over a few milliseconds is admitted in one go, and
-        its rows decode, and finish, together. At most ``slots`` requests per call:
-        requests that finish in prefill take no slot, and a stream of them must not starve
-        the requests that are decoding.
-        """
-        taken = 0
-        while admit:
-            taken += len(admit)
-            # Similar lengths share a bucket: sort, then cut into the compiled group sizes.
-            admit.sort(key=lambda entry: len(entry.request.prompt_ids))
-            i = 0
-            for size in split_admission(len(admit), self.admission_sizes):
-                self._admit_group(admit[i : i + size], size)
-                i += size
-            if self._waiting.stopped:
+    def _reap(self) -> bool:
+        """Fail the queued and running requests that were cancelled or timed out."""
+        dropped, _ = self._waiting.poll(free=0)
+        for entry, why in dropped:
+            self._fail(entry, why)
+        now = time.perf_counter()
+        for entry in list(self._running):
+            why = None if entry is None else self._waiting.expired(entry, now)
+            if entry is not None and why is not None:
+                self._fail(entry, why)
+                dropped.append((entry, why))
+        return bool(dropped)
+
+    # ------------------------------------------------------------------ admission, prefill
+
+    def _prefill(self) -> bool:
+        """Admit and prefill until the step's prompt-token budget is spent, nothing is left
+        to prefill, or ``slots`` requests were admitted this step (requests that finish in
+        prefill free their slot at once, and a stream of them must not starve the decoding
+        ones). Requests that arrive meanwhile are admitted too, before the next decode
+        chunk (prefill goes first, as vLLM's scheduler prefers prefills)."""
+        budget = self.prefill_chunk_tokens or None
+        admitted, did = 0, False
+        while not self._waiting.stopped:
+            admitted += self._admit(self.slots - admitted)
+            prefilling = sorted(
+                (e for e in self._running if e is not None and not e.decoding),
+                key=lambda e: e.order,
+            )
+            plan = plan_chunks(
+                [(self._group(e).index, len(e.seq) - e.computed) for e in prefilling],
+                budget,
+                self.prefill_batch,
+            )
+            work = [(e, n) for e, n in zip(prefilling, plan, strict=True) if n > 0]
+            if not work:
                 break
-            free = min(self._running.count(None), self.slots - taken)
-            dropped, admit = self._waiting.poll(free=free)
+            did = True
+            self._run_chunks(work)
+            if budget is not None:
+                budget -= sum(n for _, n in work)
+                if budget <= 0:
+                    break
+        return did or admitted > 0
+
+    def _admit(self, limit: int) -> int:
+        """Take waiting requests, oldest first, while a slot is free and the head's pages fit
+        a group's pool (it never jumps the queue: a long prompt is not starved by short
+        ones). Returns how many were admitted."""
+        taken = 0
+        while taken < limit and None in self._running:
+            dropped, head = self._waiting.poll(free=1)
             for entry, why in dropped:
                 self._fail(entry, why)
+            if not head:
+                break
+            if not self._place(head[0]):
+                self._waiting.put_back(head)
+                self._blocked = True
+                break
+            taken += 1
         return taken
 
-    def _admit_group(self, group: list[Entry], rows: int) -> None:
-        """Prefill ``group`` as one batch of ``rows`` rows (rows past it are padding, never
-        inserted), then insert it: one insert per slot group its rows land in.
+    def _place(self, entry: Entry) -> bool:
+        """Give ``entry`` a slot and pages for its prompt (and the tokens it had generated,
+        if it was preempted) plus one decode chunk, in the first group whose pool admits it
+        (:func:`~jaxlab.serve.policy.slot_candidates`); False if none does."""
+        req = entry.request
+        seq = req.prompt_ids + tuple(entry.generated)
+        cap = kv_tokens(len(req.prompt_ids), req.sampling.max_new_tokens)
+        reserve = max(0, min(self.chunk_tokens, cap - len(seq)))
+        for slot in slot_candidates([e is not None for e in self._running], self.groups.rows):
+            g = self.groups.group_of(slot)
+            admission = g.pool.admit(entry.id, seq, reserve)
+            if admission is None:
+                continue
+            entry.slot, self._running[slot] = slot, entry
+            entry.seq, entry.computed, entry.decoding = seq, admission.cached_tokens, False
+            entry.order = next(self._admissions)
+            if self.prefix_caching:
+                self.metrics.prefix_queries.inc(len(seq))
+                self.metrics.prefix_hits.inc(admission.cached_tokens)
+            if entry.cached_tokens is None:  # its first admission
+                entry.cached_tokens = admission.cached_tokens
+                entry.output.admitted(admission.cached_tokens)
+                try:  # its sampling values in the device's dtypes, kept for the prefill
+                    _ = req.sampling.row
+                except Exception as e:  # Request.create's checks keep a checked request out
+                    log.error("preparing request %d failed: %s", entry.id, e)
+                    self._fail(entry, EngineFailure(f"preparing the request failed: {e}"))
+            return True
+        return False
 
-        One request never fails another. Each is prepared alone first (its sampling values
-        in the device's dtypes, kept for the prefill), and when a batched prefill raises,
-        its requests are prefilled again one by one (``(bucket, 1)`` is compiled too).
+    def _group(self, entry: Entry) -> SlotGroup:
+        assert entry.slot is not None
+        return self.groups.group_of(entry.slot)
+
+    def _chunk(self, entry: Entry, n: int) -> Chunk:
+        from jaxlab.infer.engine import Chunk
+
+        start = entry.computed
+        last = start + n == len(entry.seq)
+        pages = self._group(entry).pool.pages(entry.id)
+        tokens = entry.seq[start : start + n]
+        return Chunk(tokens, start, pages, entry.request.sampling, last, len(entry.generated))
+
+    def _run_chunks(self, work: list[tuple[Entry, int]]) -> None:
+        """Prefill ``work`` (``(request, tokens)``): one call per slot group (the engine
+        pads its rows to a power of two); then commit the computed pages, and insert the
+        requests whose prompt is complete.
+
+        One request never fails another. When a batched call raises without having consumed
+        the group's state, its requests are prefilled again one by one (1 row is a compiled
+        size), so only the one at fault fails; a call that lost the state fails every
+        running request, as a failed chunk does.
         """
+        by_group: dict[int, list[tuple[Entry, int]]] = {}
+        for entry, n in work:
+            by_group.setdefault(self._group(entry).index, []).append((entry, n))
+        done: list[tuple[SlotGroup, list[tuple[Entry, int]], Any]] = []
+        for index, items in by_group.items():
+            g = self.groups[index]
+            parts = [items]
+            while parts:
+                part = parts.pop(0)
+                try:
+                    pre = g.prefill([self._chunk(e, n) for e, n in part])
+                except Exception as e:
+                    if g.state is None:
+                        self._device_failed("prefill", e)
+                        return
+                    if len(part) > 1:
+                        ids = [entry.id for entry, _ in part]
+                        log.warning(
+                            "prefill of requests %s failed (%r); prefilling each alone", ids, e
+                        )
+                        parts = [[item] for item in part] + parts
+                        continue
+                    log.exception("prefill failed for request %d", part[0][0].id)
+                    self._fail(part[0][0], EngineFailure(f"prefill failed: {e}"))
+                    continue
+                done.append((g, part, pre))
+        for g, part, pre in done:
+            self._finish_prefill(g, part, pre)
+
+    def _finish_prefill(self, g: SlotGroup, part: list[tuple[Entry, int]], pre: Any) -> None:
+        """After one prefill call of group ``g``: commit each request's computed pages; put
+        the rows whose prompt is complete into their slots (a row done already, by a stop
+        token or a one-token budget, takes none) and report their first tokens."""
         import jax
 
-        from jaxlab.infer.sampling import SamplingParams
-
-        ready = []
-        for entry in group:
-            entry.output.admitted()
-            try:
-                _ = entry.request.sampling.row
-                ready.append(entry)
-            except Exception as e:  # Request.create's checks keep a checked request out
-                log.error("preparing request %d failed: %s", entry.id, e)
-                self._fail(entry, EngineFailure(f"preparing the request failed: {e}"))
-        parts = [(ready, rows)] if len(ready) > 1 else [([entry], 1) for entry in ready]
-        while parts:
-            part, n = parts.pop(0)
-            prompts = [entry.request.prompt_ids for entry in part]
-            samplings = [entry.request.sampling for entry in part]
-            prompts += [(PAD_TOKEN,)] * (n - len(part))
-            samplings += [SamplingParams(max_new_tokens=1)] * (n - len(part))
-            try:
-                pre = self.engine.prefill(prompts, samplings)
-                first, done = jax.device_get((pre.tokens, pre.done))
-            except Exception as e:
-                if len(part) > 1:
-                    ids = [entry.id for entry in part]
-                    log.warning("prefill of requests %s failed (%r); prefilling each alone", ids, e)
-                    parts = [([entry], 1) for entry in part]
-                    continue
-                log.exception("prefill failed for request %d", part[0].id)
-                self._fail(part[0], EngineFailure(f"prefill failed: {e}"))
-                continue
-            self._insert(part, pre, first, done)
-
-    def _insert(self, group: list[Entry], pre: Any, first: Any, done: Any) -> None:
-        """Put the prefilled rows of ``group`` into free slots (a row done in prefill takes
-        none) and report each request's first token."""
-        pad = len(first) - len(group)
-        busy = [entry is not None for entry in self._running]
-        free = pick_slots(busy, self.groups.rows, sum(not done[i] for i in range(len(group))))
-        slots = [-1 if done[i] else free.pop(0) for i in range(len(group))] + [-1] * pad
         try:
-            self.groups.insert(pre.state, slots)
+            first, done = jax.device_get((pre.tokens, pre.done))
         except Exception as e:
-            for entry in group:
-                self._fail(entry, EngineFailure(f"insert failed: {e}"))
-            self._device_failed("insert", e)
+            self._device_failed("prefill", e)
             return
-        for i, entry in enumerate(group):
-            if slots[i] >= 0:
-                self._running[slots[i]] = entry
-                entry.slot = slots[i]
+        rows = [-1] * len(part)
+        complete: list[tuple[int, Entry]] = []
+        for i, (entry, n) in enumerate(part):
+            if entry.slot is None:  # failed meanwhile
+                continue
+            entry.computed += n
+            g.pool.commit(entry.id, entry.seq, entry.computed)
+            if entry.computed == len(entry.seq):
+                complete.append((i, entry))
+                if not done[i]:
+                    rows[i] = entry.slot - g.start
+        if any(r >= 0 for r in rows):
+            try:
+                g.insert(pre, rows)
+            except Exception as e:
+                self._device_failed("insert", e)
+                return
+        for i, entry in complete:
+            if rows[i] >= 0:
+                entry.decoding = True
+                g.table.set(rows[i], g.pool.pages(entry.id))
             self._emit(entry, [int(first[i])], bool(done[i]))
 
+    # ------------------------------------------------------------------ decoding
+
     def _decode_chunk(self) -> None:
-        """Dispatch the next chunk, then route the one before it (module docstring)."""
-        owners = list(self._running)
+        """Make room for the next chunk (:meth:`_grow`), dispatch it, then route the one
+        before it (module docstring)."""
+        if not self._grow():
+            return
+        owners = [e if e is not None and e.decoding else None for e in self._running]
+        if not any(owners):  # every decoding request was preempted or ended
+            return
         try:
-            ran = self.groups.generate([entry is not None for entry in owners], self.chunk_tokens)
+            ran = self.groups.generate([e is not None for e in owners], self.chunk_tokens)
         except Exception as e:
             self._device_failed("decode", e)
             return
@@ -320,6 +477,63 @@ class Scheduler:
         previous, self._inflight = self._inflight, _Chunk(ran, owners)
         if previous is not None:
             self._route(previous)
+
+    def _grow(self) -> bool:
+        """Grow each decoding row's pages to cover the next chunk, oldest request first.
+
+        When a group's pool runs dry, the chunk in flight is routed first (requests that
+        finished give their pages back, and every token is known), then the group's newest
+        request is preempted (vLLM's recompute preemption: :meth:`_preempt`), until the row
+        fits or is itself the one preempted. The oldest request always fits: alone, any
+        request fits its pool (:meth:`refusal` keeps out those that do not). False if a
+        device call failed on the way.
+        """
+        for g in self.groups:
+            for entry in sorted(self._in(g, decoding=True), key=lambda e: e.order):
+                while entry.slot is not None and not g.pool.grow(entry.id, self._target(entry)):
+                    if self._inflight is not None:
+                        chunk, self._inflight = self._inflight, None
+                        self._route(chunk)
+                        continue
+                    victim = max(self._in(g), key=lambda e: e.order)
+                    if not self._preempt(victim):
+                        return False
+                if entry.slot is not None:
+                    g.table.set(entry.slot - g.start, g.pool.pages(entry.id))
+        return True
+
+    def _in(self, g: SlotGroup, *, decoding: bool | None = None) -> list[Entry]:
+        """The requests holding a slot of ``g`` (only the decoding ones, or only the ones
+        being prefilled, if asked)."""
+        return [
+            e
+            for e in self._running[g.start : g.start + g.rows]
+            if e is not None and (decoding is None or e.decoding == decoding)
+        ]
+
+    def _target(self, entry: Entry) -> int:
+        req = entry.request
+        ahead = self._inflight is not None and any(o is entry for o in self._inflight.owners)
+        position = len(req.prompt_ids) + len(entry.generated) - 1
+        cap = kv_tokens(len(req.prompt_ids), req.sampling.max_new_tokens)
+        return grow_target(position, self.chunk_tokens, int(ahead), cap)
+
+    def _preempt(self, entry: Entry) -> bool:
+        """Free ``entry``'s slot and pages and put it back at the head of the queue; it is
+        recomputed from its prompt and the tokens it got (all routed: nothing of it is in
+        flight), so its output continues where it stopped. False if freeing its row on the
+        device failed."""
+        log.info(
+            "preempting request %d (%d tokens generated): its slot group's KV pool is full",
+            entry.id,
+            len(entry.generated),
+        )
+        ok = self._free(entry, on_device=True)
+        self.preemptions += 1
+        self.metrics.preemptions.inc()
+        if not entry.finished:
+            self._waiting.put_back([entry])
+        return ok
 
     def _route(self, chunk: _Chunk) -> None:
         """Hand each row's new tokens to the request that owned the slot at dispatch."""
@@ -333,7 +547,7 @@ class Scheduler:
         for (g, _, _), (tokens, done) in zip(chunk.ran, host, strict=True):
             for row, slot in enumerate(g.slots):
                 entry = chunk.owners[slot]
-                if entry is not None and not entry.finished:
+                if entry is not None and not entry.finished and entry.slot == slot:
                     self._emit(entry, [int(t) for t in tokens[:, row] if t >= 0], bool(done[row]))
 
     # ------------------------------------------------------------------ ends of a request
@@ -345,7 +559,7 @@ class Scheduler:
         if entry.cancelled:
             self._fail(entry, Cancelled(), on_device=not done)
             return
-        entry.tokens += len(tokens)
+        entry.generated.extend(tokens)
         try:
             finished = entry.output.emit(tokens, done)
         except Exception as e:
@@ -364,24 +578,32 @@ class Scheduler:
             except Exception:
                 log.exception("reporting the failure of request %d failed", entry.id)
 
-    def _free(self, entry: Entry, *, on_device: bool) -> None:
-        """Free ``entry``'s slot, if it holds one: on the host, and with ``on_device`` on the
-        device too (:meth:`SlotGroups.free`, after the group's chunk in flight)."""
+    def _free(self, entry: Entry, *, on_device: bool) -> bool:
+        """Free ``entry``'s slot and pages, if it holds them: on the host, and with
+        ``on_device`` (for a row that is decoding) the device row too
+        (:meth:`SlotGroup.free`, after the group's chunk in flight). False if that failed."""
         slot = entry.slot
         if slot is None:
-            return
+            return True
+        g = self.groups.group_of(slot)
+        decoding = entry.decoding
         self._running[slot] = None
-        entry.slot = None
-        if on_device:
+        entry.slot, entry.decoding = None, False
+        g.pool.release(entry.id)
+        g.table.clear(slot - g.start)
+        self._blocked = False
+        if on_device and decoding:
             try:
-                self.groups.free(slot)
+                g.free(slot - g.start)
             except Exception as e:
                 self._device_failed("freeing a slot", e)
+                return False
+        return True
 
     def _device_failed(self, what: str, e: Exception) -> None:
-        """An insert or a chunk failed: the decode states it was given are gone (donated),
-        so every running request fails, every group starts afresh and the chunk in flight
-        is dropped."""
+        """A device call failed: the decode states it was given may be gone (donated), so
+        every running request fails, every group starts afresh (state, pool and table) and
+        the chunk in flight is dropped."""
         log.error("%s failed; failing the running requests", what, exc_info=e)
         for entry in list(self._running):
             if entry is not None:
@@ -393,8 +615,9 @@ class Scheduler:
         m = self.metrics
         m.running.set(self.num_running)
         m.waiting.set(len(self._waiting))
-        held = sum(len(s.request.prompt_ids) + s.tokens for s in self._running if s is not None)
-        m.kv_usage.set(held / (self.slots * self.engine.max_len))
+        used, total = self.groups.pages_used, self.groups.pages_total
+        m.pages_used.set(used)
+        m.kv_usage.set(used / total)
 
     def _shutdown(self) -> None:
         self._waiting.set(accepting=False, stopped=True)

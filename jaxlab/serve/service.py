@@ -89,6 +89,32 @@ def _thaw_startup_heap() -> None:
             gc.unfreeze()
 
 
+def kv_pages(cfg: JaxlabConfig, page_size: int) -> int | None:
+    """The server's KV pages, every slot group together: ``inference.num_pages``, or what
+    ``inference.kv_cache_mib`` holds (K and V of every layer, in the compute dtype), or
+    None (the scheduler's default: every slot can hold ``max_len`` tokens)."""
+    inf = cfg.inference
+    if inf.num_pages is not None:
+        return inf.num_pages
+    if inf.kv_cache_mib is None:
+        return None
+    import jax.numpy as jnp
+
+    from jaxlab.infer.pages import pages_for_budget
+
+    try:
+        return pages_for_budget(
+            inf.kv_cache_mib,
+            page_size=page_size,
+            n_layers=cfg.model.n_layers,
+            n_kv_heads=cfg.model.n_kv_heads,
+            head_dim=cfg.model.head_dim,
+            dtype_bytes=jnp.dtype(str(cfg.train.precision.compute_dtype)).itemsize,
+        )
+    except ValueError as e:  # not even one page: name the field
+        raise ValueError(f"inference.kv_cache_mib: {e}") from None
+
+
 def run_dir_loader(
     run_dir: str | Path,
     step: int | None,
@@ -193,6 +219,10 @@ class ModelService:
             "max_len": eng.max_len if eng is not None else None,
             "prefill_buckets": list(eng.buckets) if eng is not None else None,
             "chunk_tokens": self.scheduler.chunk_tokens if self.scheduler is not None else None,
+            "page_size": eng.page_size if eng is not None else None,
+            "kv_pages": self.scheduler.num_pages if self.scheduler is not None else None,
+            "prefix_caching": self.serve_cfg.prefix_caching,
+            "prefill_chunk_tokens": self.serve_cfg.prefill_chunk_tokens,
         }
 
     def _log_change(self, old: ModelState, new: ModelState) -> None:
@@ -240,6 +270,9 @@ class ModelService:
                 max_queue=self.serve_cfg.max_queue,
                 request_timeout_s=self.serve_cfg.request_timeout_s,
                 chunk_tokens=self.cfg.inference.stream_chunk_tokens,
+                num_pages=kv_pages(self.cfg, engine.page_size),
+                prefill_chunk_tokens=self.serve_cfg.prefill_chunk_tokens,
+                prefix_caching=self.serve_cfg.prefix_caching,
                 metrics=self.metrics,
             )
             sched.chunk_delay_s = self.chunk_delay_s
@@ -323,14 +356,19 @@ class ModelService:
 
     def request(self, prompt: str, sampling: SamplingParams, stop: Sequence[str] = ()) -> Request:
         """``prompt`` encoded and checked against the model (``Request.create``, the one
-        check a request gets). Raises :class:`NotAccepting` unless ``ready``, and
+        check a request gets) and the KV pool (a request that could never fit it is refused
+        here, never queued). Raises :class:`NotAccepting` unless ``ready``, and
         ``BadRequest``/``RequestTooLong``."""
-        from jaxlab.infer.request import Request
+        from jaxlab.infer.request import Request, RequestTooLong
 
-        model, limits = self.model, self._limits
-        if self.state != ModelState.READY or model is None or limits is None:
+        model, limits, sched = self.model, self._limits, self.scheduler
+        if self.state != ModelState.READY or model is None or limits is None or sched is None:
             raise NotAccepting(str(self.state))
-        return Request.create(model.tokenizer.encode(prompt), sampling, limits, stop=stop)
+        req = Request.create(model.tokenizer.encode(prompt), sampling, limits, stop=stop)
+        problem = sched.refusal(req)
+        if problem is not None:
+            raise RequestTooLong(problem, param="prompt")
+        return req
 
     def submit(
         self,
@@ -353,4 +391,4 @@ class ModelService:
         return out
 
 
-__all__ = ["ModelLoader", "ModelService", "ServedModel", "run_dir_loader"]
+__all__ = ["ModelLoader", "ModelService", "ServedModel", "kv_pages", "run_dir_loader"]

@@ -1,21 +1,27 @@
-"""Slot groups: the decode states that hold the server's slots, and the threads that drive them.
+"""Slot groups: the decode states that hold the server's slots, their KV pages, and the
+threads that drive them.
 
 The server's ``slots`` are split into equal **slot groups**. Each group is one batched
-decode state of ``rows`` rows (``engine.init_decode_state(rows)``) and one thread from
-which every engine call on that state is dispatched (``insert``, ``generate``, the empty
-row that frees a slot). This module maps the server's slot numbers to (group, row), keeps
-each group's state, and runs the warm-up calls for the shapes the scheduler names; it
-decides nothing (which slot, when: the scheduler and :mod:`jaxlab.serve.policy` do) and
-knows no requests.
+decode state of ``rows`` rows over a paged KV pool of its own
+(``engine.init_decode_state(rows, num_pages)``), the :class:`~jaxlab.infer.pages.PagePool`
+that lends those pages to its requests, the host copy of its page table
+(:class:`PageTable`, sent with ``engine.set_table`` before a chunk whenever it changed),
+and one thread from which every engine call on that state is dispatched (``prefill``,
+``insert``, ``set_table``, ``generate``, the empty row that frees a slot). This module maps
+the server's slot numbers to (group, row), keeps each group's state, pool and table, and
+runs the warm-up calls for the shapes the scheduler names; it decides nothing (which slot,
+which pages, when: the scheduler and :mod:`jaxlab.serve.policy` do) and knows no requests.
 
 Why one thread per group: XLA:CPU runs the computations that one thread dispatches in
 dispatch order, and those of different threads side by side, so each group's calls go
 through its own thread: in order within the group, concurrent across groups
 (``docs/serving.md``). A call waits for the asynchronous dispatch only, not for the
-computation. With one group this is a plain batched state on one thread.
+computation. With one group this is a plain batched state on one thread. The order within
+a group is also what makes page reuse safe: a page released while a chunk in flight still
+writes it is only written by its next owner's prefill, dispatched after that chunk.
 
-A state passed to ``insert`` or ``generate`` is donated: while a call runs, and after
-one raised, the group's ``state`` is None until :meth:`SlotGroup.reset`.
+A state passed to an engine call is donated: while a call runs, and after one raised
+having consumed it, the group's ``state`` is None until :meth:`SlotGroup.reset`.
 """
 
 from __future__ import annotations
@@ -24,8 +30,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:
-    from jaxlab.infer.sampling import SamplingParams
+    from jaxlab.infer.engine import Chunk
+    from jaxlab.infer.pages import PagePool
+
+#: Token of the warm-up's prompts and of the empty row (any valid id).
+PAD_TOKEN = 0
 
 
 class Engine(Protocol):
@@ -33,40 +45,96 @@ class Engine(Protocol):
     :class:`jaxlab.infer.engine.Engine`, or the tests' fake (numpy, no compile)."""
 
     max_len: int
+    page_size: int
     buckets: tuple[int, ...]
 
     @property
     def compiles(self) -> dict[str, int]: ...
 
-    def init_decode_state(self, slots: int) -> Any: ...
+    def init_decode_state(self, slots: int, num_pages: int | None = None) -> Any: ...
 
-    def prefill(
-        self,
-        prompts: Sequence[Sequence[int]],
-        samplings: Sequence[SamplingParams],
-        *,
-        bucket: int | None = None,
-    ) -> Any: ...
+    def set_table(self, state: Any, table: np.ndarray) -> Any: ...
 
-    def insert(self, prefix: Any, state: Any, slots: Sequence[int]) -> Any: ...
+    def prefill(self, state: Any, chunks: Sequence[Chunk]) -> tuple[Any, Any]: ...
+
+    def insert(self, pre: Any, state: Any, slots: Sequence[int]) -> Any: ...
 
     def generate(self, state: Any, k: int) -> tuple[Any, Any, Any]: ...
 
 
-class SlotGroup:
-    """Slots ``start .. start + rows - 1``: one batched decode state and its thread."""
+def survived(state: Any) -> bool:
+    """Whether a state handed to a call that raised is still whole (the call failed before
+    it consumed it: a donated jax array, or the fake's state, says it is deleted)."""
+    import jax
 
-    def __init__(self, engine: Engine, index: int, rows: int) -> None:
+    return state is not None and not any(
+        getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(state)
+    )
+
+
+class PageTable:
+    """The host copy of one group's page table: ``int32[rows, max_pages]``, ``no_page``
+    where a row holds no page. ``dirty`` until :meth:`take` hands it to ``set_table``."""
+
+    def __init__(self, rows: int, max_pages: int, no_page: int) -> None:
+        self.no_page = no_page
+        self.array = np.full((rows, max_pages), no_page, np.int32)
+        self.dirty = True
+
+    def set(self, row: int, pages: Sequence[int]) -> None:
+        """Row ``row`` holds ``pages`` (its pages in position order)."""
+        n = len(pages)
+        if (
+            np.array_equal(self.array[row, :n], pages)
+            and (self.array[row, n:] == self.no_page).all()
+        ):
+            return
+        self.array[row] = self.no_page
+        self.array[row, :n] = pages
+        self.dirty = True
+
+    def clear(self, row: int) -> None:
+        if self.array[row, 0] != self.no_page:
+            self.array[row] = self.no_page
+            self.dirty = True
+
+    def take(self) -> np.ndarray:
+        self.dirty = False
+        return self.array.copy()
+
+
+class SlotGroup:
+    """Slots ``start .. start + rows - 1``: one batched decode state over ``num_pages``
+    pages, its page pool and table, and its thread."""
+
+    def __init__(
+        self, engine: Engine, index: int, rows: int, num_pages: int, prefix_caching: bool
+    ) -> None:
         self.engine = engine
         self.index = index
         self.start = index * rows
         self.rows = rows
+        self.num_pages = num_pages
+        self.prefix_caching = prefix_caching
+        self.max_pages = -(-engine.max_len // engine.page_size)
         self.state: Any = None
+        self.pool: PagePool = self._pool()
+        self.table = PageTable(rows, self.max_pages, num_pages)
+        self._empty: Any = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"jaxlab-decode-{index}")
+
+    def _pool(self) -> PagePool:
+        from jaxlab.infer.pages import PagePool
+
+        return PagePool(self.num_pages, self.engine.page_size, prefix_caching=self.prefix_caching)
 
     @property
     def slots(self) -> range:
         return range(self.start, self.start + self.rows)
+
+    @property
+    def no_page(self) -> int:
+        return self.num_pages
 
     def __contains__(self, slot: int) -> bool:
         return self.start <= slot < self.start + self.rows
@@ -76,17 +144,62 @@ class SlotGroup:
         return self._thread.submit(fn, *args).result()
 
     def reset(self) -> None:
-        """A fresh state: every row empty (done)."""
-        self.state = self.call(self.engine.init_decode_state, self.rows)
+        """A fresh state (every row empty, every table entry ``NO_PAGE``), an empty pool and
+        table (the old pages' contents, the prefix cache included, went with the old
+        state), and the empty row that frees a slot: a one-token prompt with a one-token
+        budget, done as soon as it is prefilled (into a page lent for that call only)."""
+        from jaxlab.infer.engine import Chunk
+        from jaxlab.infer.sampling import SamplingParams
 
-    def insert(self, prefix: Any, rows: Sequence[int]) -> None:
-        """Row ``i`` of ``prefix`` into this group's row ``rows[i]`` (``-1``: skipped)."""
+        self.state = None
+        self.pool = self._pool()
+        self.table = PageTable(self.rows, self.max_pages, self.num_pages)
+        self.state = self.call(self.engine.init_decode_state, self.rows, self.num_pages)
+        pages = self.lend("empty row", 1)
+        one = SamplingParams(max_new_tokens=1)
+        self._empty = self.prefill([Chunk((PAD_TOKEN,), 0, pages, one)])
+        self.pool.release("empty row")
+
+    def lend(self, name: str, n_tokens: int) -> list[int]:
+        """Pages for ``n_tokens`` tokens under ``name`` (the group's own calls: the empty
+        row, the warm-up); :meth:`PagePool.release` gives them back."""
+        admission = self.pool.admit(name, (PAD_TOKEN,) * n_tokens)
+        if admission is None:
+            raise ValueError(f"slot group {self.index}: no page free for {name}")
+        return admission.pages
+
+    def prefill(self, chunks: Sequence[Chunk]) -> Any:
+        """Prefill ``chunks`` (their K/V into this group's pages); the engine's ``Prefill``.
+        If the call raises before it consumed the state, the state is kept."""
         state, self.state = self.state, None
-        self.state = self.call(self.engine.insert, prefix, state, list(rows))
+        try:
+            self.state, pre = self.call(self.engine.prefill, state, list(chunks))
+        except Exception:
+            if survived(state):
+                self.state = state
+            raise
+        return pre
+
+    def insert(self, pre: Any, rows: Sequence[int]) -> None:
+        """Row ``i`` of ``pre`` into this group's row ``rows[i]`` (``-1``: skipped). The
+        insert also copies the chunks' page lists into the device's table, so the host's
+        table is sent again before the next chunk, whatever it holds."""
+        state, self.state = self.state, None
+        self.state = self.call(self.engine.insert, pre, state, list(rows))
+        self.table.dirty = True
+
+    def free(self, row: int) -> None:
+        """Make ``row`` empty on the device: an empty row (done) inserted over it, after the
+        group's chunk in flight, so the row stops computing at once and the decode loop's
+        "every row done" exit still works."""
+        self.insert(self._empty, [row])
 
     def generate(self, k: int) -> tuple[Any, Any]:
-        """Dispatch up to ``k`` decode steps; ``(tokens [k, rows], done [rows])`` on device."""
+        """Send the page table if it changed, then dispatch up to ``k`` decode steps;
+        ``(tokens [k, rows], done [rows])`` on device."""
         state, self.state = self.state, None
+        if self.table.dirty:
+            state = self.call(self.engine.set_table, state, self.table.take())
         self.state, tokens, done = self.call(self.engine.generate, state, k)
         return tokens, done
 
@@ -95,15 +208,18 @@ class SlotGroup:
 
 
 class SlotGroups(Sequence[SlotGroup]):
-    """``slots`` slots as ``groups`` equal :class:`SlotGroup` (``groups`` divides ``slots``:
-    ``serve.decode_groups`` is checked by the config, and
+    """``slots`` slots as ``groups`` equal :class:`SlotGroup` of ``num_pages`` pages each
+    (``groups`` divides ``slots``: ``serve.decode_groups`` is checked by the config, and
     :func:`~jaxlab.serve.policy.decode_groups_for` only picks divisors)."""
 
-    def __init__(self, engine: Engine, slots: int, groups: int) -> None:
+    def __init__(
+        self, engine: Engine, slots: int, groups: int, num_pages: int, prefix_caching: bool
+    ) -> None:
         self.engine = engine
         self.rows = slots // groups
-        self._groups = [SlotGroup(engine, g, self.rows) for g in range(groups)]
-        self._empty: Any = None
+        self._groups = [
+            SlotGroup(engine, g, self.rows, num_pages, prefix_caching) for g in range(groups)
+        ]
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -118,25 +234,16 @@ class SlotGroups(Sequence[SlotGroup]):
         return self._groups[slot // self.rows]
 
     def reset(self) -> None:
-        """Fresh states for every group, and the empty row that frees a slot."""
         for g in self._groups:
             g.reset()
-        self._empty = self.engine.init_decode_state(1)
 
-    def insert(self, prefix: Any, slots: Sequence[int]) -> None:
-        """Row ``i`` of ``prefix`` into slot ``slots[i]`` (``-1``: skipped): one insert per
-        group that gets a row, with the group's own row numbers."""
-        for g in self._groups:
-            rows = [s - g.start if s in g else -1 for s in slots]
-            if any(r >= 0 for r in rows):
-                g.insert(prefix, rows)
+    @property
+    def pages_used(self) -> int:
+        return sum(g.pool.used for g in self._groups)
 
-    def free(self, slot: int) -> None:
-        """Make ``slot`` empty on the device: an empty row (done, budget 0) inserted over it,
-        after its group's chunk in flight, so the row stops computing at once and the decode
-        loop's "every row done" exit still works."""
-        g = self.group_of(slot)
-        g.insert(self._empty, [slot - g.start])
+    @property
+    def pages_total(self) -> int:
+        return sum(g.num_pages for g in self._groups)
 
     def generate(self, busy: Sequence[bool], k: int) -> list[tuple[SlotGroup, Any, Any]]:
         """Dispatch one chunk of ``k`` steps on every group with a busy slot (each from its
@@ -148,35 +255,64 @@ class SlotGroups(Sequence[SlotGroup]):
                 ran.append((g, tokens, done))
         return ran
 
-    def warm_up(self, sizes: Sequence[int], k: int, pad: int) -> Iterator[None]:
+    def warm_up(
+        self, sizes: Sequence[int], lengths: Sequence[int], extend: bool, k: int
+    ) -> Iterator[None]:
         """Make every call serving will make, one compile per step (it yields before each):
-        ``prefill`` per (bucket, admission group size in ``sizes``), ``insert`` per size,
-        one ``generate`` of ``k`` steps, and a free. Every group has the same shapes, so
-        the first group's calls compile for all. Prompts are the token ``pad``; the
-        groups start afresh."""
+        ``prefill`` per (chunk length in ``lengths``, row count in ``sizes``), for chunks at
+        the start of a prompt and, with ``extend``, for chunks past it (a prompt's later
+        chunks, or the rest after a prefix-cache hit); ``insert`` per row count; one real
+        pass (``set_table``, a ``generate`` of ``k`` steps, a free). Every group has the
+        same shapes, so the first group's calls compile for all. The groups start afresh,
+        and end with every page back in their pools.
+
+        The shape calls write into two pages lent for the warm-up: ``prefix`` holds
+        position 0, which the chunks past the start attend to, and ``scratch`` every other
+        position of every chunk (the same page over and over: what they write is never
+        read), so a pool of two pages warms every length.
+        """
         import jax
 
+        from jaxlab.infer.engine import Chunk
         from jaxlab.infer.sampling import SamplingParams
 
         eng = self.engine
         yield
         self.reset()
         first = self._groups[0]
+        ps = eng.page_size
         one = SamplingParams(max_new_tokens=1)
-        for bucket in eng.buckets:
-            for size in sizes:
-                yield
-                jax.block_until_ready(eng.prefill([[pad]] * size, [one] * size, bucket=bucket))
+        prefix = first.lend("warm-up prefix", 1)[0]
+        scratch = first.lend("warm-up scratch", 1)[0] if first.pool.free else prefix
+
+        def chunks(n: int, length: int, start: int) -> list[Chunk]:
+            pages = [prefix if start else scratch] + [scratch] * ((start + length - 1) // ps)
+            return [Chunk((PAD_TOKEN,) * length, start, pages, one, last=False)] * n
+
+        first.prefill([Chunk((PAD_TOKEN,), 0, [prefix], one, last=False)])  # its position 0
+        for start in [0, 1] if extend else [0]:
+            for length in lengths:
+                length = min(length, eng.max_len - start)
+                for size in sizes:
+                    yield
+                    jax.block_until_ready(first.prefill(chunks(size, length, start)))
         for size in sizes:  # an insert that writes nothing: every row is skipped
-            pre = eng.prefill([[pad]] * size, [one] * size)
+            pre = first.prefill(chunks(size, 1, 0))
             yield
-            first.insert(pre.state, [-1] * size)
+            first.insert(pre, [-1] * size)
+        first.pool.release("warm-up prefix")
+        first.pool.release("warm-up scratch")
         yield
-        # One real pass on slot 0: insert, a chunk, free.
+        # One real pass on row 0 over pages of its own: prefill, insert, a chunk, free.
         sp = SamplingParams(max_new_tokens=2 if eng.max_len >= 3 else 1, ignore_eos=True)
-        first.insert(eng.prefill([[pad]], [sp]).state, [0])
+        pages = first.lend("warm-up", 2)
+        pre = first.prefill([Chunk((PAD_TOKEN,), 0, pages, sp)])
+        first.insert(pre, [0])
+        first.table.set(0, pages)
         tokens, _ = first.generate(k)
-        self.free(0)
+        first.free(0)
+        first.pool.release("warm-up")
+        first.table.clear(0)
         jax.block_until_ready((tokens, first.state))
 
     def close(self) -> None:
@@ -184,4 +320,4 @@ class SlotGroups(Sequence[SlotGroup]):
             g.close()
 
 
-__all__ = ["Engine", "SlotGroup", "SlotGroups"]
+__all__ = ["PAD_TOKEN", "Engine", "PageTable", "SlotGroup", "SlotGroups", "survived"]

@@ -2,11 +2,12 @@
 
 :class:`Waiting` is the thread-safe side of the scheduler: the HTTP side puts requests in
 and cancels them from its own thread; the engine thread takes them out for admission,
-drops the cancelled and timed-out ones, and sleeps on its condition when idle. Each
-request is an :class:`Entry`, the scheduler's own record of it (slot, deadline, flags, and
-the :class:`Output` the scheduler reports to), never seen outside
-:mod:`jaxlab.serve.scheduler`. Nothing here touches the device, chooses slots or reports
-to a request's output.
+drops the cancelled and timed-out ones, puts back at the head the ones it could not
+admit or preempted, and sleeps on its condition when idle. Each request is an
+:class:`Entry`, the scheduler's own record of it (slot, deadline, flags, the tokens it got
+so far, and the :class:`Output` the scheduler reports to), never seen outside
+:mod:`jaxlab.serve.scheduler`. Nothing here touches the device, chooses slots or reports to
+a request's output.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from jaxlab.serve.errors import Cancelled, NotAccepting, QueueFull, RequestTimeout, ServeError
@@ -27,13 +28,15 @@ if TYPE_CHECKING:
 class Output(Protocol):
     """Where the scheduler reports one request (on the engine thread: never block).
 
-    ``admitted()``: it left the queue, its prefill starts. ``emit(tokens, done)``: new
-    tokens, a stop token included (``done``: the row ended on the device); True means the
-    request is finished (e.g. a stop string matched) and its slot is freed at once.
-    ``fail(error)``: it ended without finishing; its slot, if any, is already free.
+    ``admitted(cached_tokens)``: it left the queue, its prefill starts (once, even if it is
+    preempted and admitted again later); ``cached_tokens`` of its prompt came from the
+    prefix cache. ``emit(tokens, done)``: new tokens, a stop token included (``done``: the
+    row ended on the device); True means the request is finished (e.g. a stop string
+    matched) and its slot is freed at once. ``fail(error)``: it ended without finishing;
+    its slot and pages, if any, are already free.
     """
 
-    def admitted(self) -> None: ...
+    def admitted(self, cached_tokens: int) -> None: ...
 
     def emit(self, tokens: list[int], done: bool) -> bool: ...
 
@@ -42,14 +45,24 @@ class Output(Protocol):
 
 @dataclass(eq=False)
 class Entry:
-    """One request as the scheduler tracks it, from :meth:`Waiting.put` to its end."""
+    """One request as the scheduler tracks it, from :meth:`Waiting.put` to its end.
+
+    While it holds a slot it also holds pages in that slot group's pool (the pool knows it
+    by ``id``), filled with ``seq``: its prompt and the tokens it had generated when it was
+    admitted (a preempted request is recomputed), of which ``computed`` are prefilled.
+    """
 
     id: int
     request: Request
     output: Output
     deadline: float
     slot: int | None = None
-    tokens: int = 0  # emitted so far (the cache usage gauge)
+    generated: list[int] = field(default_factory=list)  # every token emitted so far
+    seq: tuple[int, ...] = ()
+    computed: int = 0
+    decoding: bool = False  # its row is in the decode state (prefill done, inserted)
+    order: int = 0  # admission number: the newest is preempted first
+    cached_tokens: int | None = None  # prefix-cache hit of its first admission
     cancelled: bool = False
     finished: bool = False
 
@@ -120,6 +133,14 @@ class Waiting:
             while not self.paused and len(admit) < free and self._queue:
                 admit.append(self._queue.popleft())
         return dropped, admit
+
+    def put_back(self, entries: list[Entry]) -> None:
+        """Return ``entries`` to the head of the queue, in this order: requests taken out
+        that could not be admitted (no pages), and preempted ones. ``max_queue`` does not
+        apply: they were accepted already."""
+        with self._cv:
+            self._queue.extendleft(reversed(entries))
+            self._cv.notify_all()
 
     def end(self, entry: Entry) -> bool:
         """Mark ``entry`` finished (it cannot be cancelled any more); False if it was."""

@@ -7,7 +7,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxlab.config import ConfigError
-from jaxlab.serve.policy import admission_sizes, decode_groups_for, pick_slots, split_admission
+from jaxlab.serve.policy import (
+    admission_sizes,
+    decode_groups_for,
+    grow_target,
+    kv_tokens,
+    never_fits,
+    pages_per_group,
+    pick_slots,
+    plan_chunks,
+    slot_candidates,
+    warm_chunk_lengths,
+)
 
 
 @pytest.mark.parametrize(
@@ -16,31 +27,6 @@ from jaxlab.serve.policy import admission_sizes, decode_groups_for, pick_slots, 
 )
 def test_admission_sizes_are_powers_of_two_and_the_batch(prefill_batch, sizes):
     assert admission_sizes(prefill_batch) == sizes
-
-
-@given(st.integers(1, 16), st.integers(0, 40))
-def test_split_admission_takes_full_groups_then_pads_the_rest_into_one(batch, n):
-    sizes = admission_sizes(batch)
-    groups = split_admission(n, sizes)
-    assert all(g in sizes for g in groups)
-    assert groups == sorted(groups, reverse=True)
-    # Every request has a row; the only padding is in the last group, and that group is
-    # the smallest compiled size that holds what the full groups leave.
-    full, rest = divmod(n, batch)
-    assert groups[:full] == [batch] * full
-    if rest:
-        assert groups[full:] == [min(s for s in sizes if s >= rest)]
-    else:
-        assert groups[full:] == []
-    assert sum(groups) >= n
-
-
-@pytest.mark.parametrize(
-    ("n", "groups"),
-    [(0, []), (1, [1]), (3, [4]), (5, [8]), (8, [8]), (15, [8, 8]), (17, [8, 8, 1])],
-)
-def test_split_admission_examples(n, groups):
-    assert split_admission(n, admission_sizes(8)) == groups
 
 
 @given(st.integers(1, 64), st.integers(1, 16))
@@ -124,3 +110,85 @@ def test_pick_slots_examples():
     assert pick_slots(free, 4, 4) == [0, 1, 2, 3]  # one group: lowest first
     with pytest.raises(ValueError, match="3 slots asked, 2 free"):
         pick_slots([True, False, True, False], 2, 3)
+
+
+def test_slot_candidates_one_per_open_group_least_busy_first():
+    assert slot_candidates([False] * 4, 2) == [0, 2]
+    assert slot_candidates([True, False, False, False], 2) == [2, 1]
+    assert slot_candidates([True, True, True, False], 2) == [3]
+    assert slot_candidates([True] * 4, 2) == []
+    assert slot_candidates([True, False, False, True, False, False], 3) == [1, 4]
+
+
+# ----------------------------------------------------------------------------- the paged cache
+
+
+def test_pages_per_group_splits_evenly_and_refuses_an_empty_group():
+    assert pages_per_group(64, 2) == 32
+    assert pages_per_group(65, 2) == 32  # the odd page is left unused
+    with pytest.raises(ValueError, match="3 pages cannot be split over 4 slot groups"):
+        pages_per_group(3, 4)
+
+
+def test_a_request_holds_its_prompt_and_all_but_its_last_token():
+    assert kv_tokens(10, 1) == 10  # one token: its K/V is never written
+    assert kv_tokens(10, 6) == 15
+    # never_fits counts prompt + max_new_tokens, as the max_len check does
+    assert not never_fits(10, 6, page_size=4, group_pages=4)
+    assert never_fits(10, 7, page_size=4, group_pages=4)
+
+
+@pytest.mark.parametrize(
+    ("position", "k", "ahead", "cap", "target"),
+    [(9, 4, 0, 100, 13), (9, 4, 1, 100, 17), (9, 4, 1, 15, 15), (0, 8, 0, 3, 3)],
+)
+def test_grow_target_covers_the_coming_chunk_and_those_in_flight(position, k, ahead, cap, target):
+    assert grow_target(position, k, ahead, cap) == target
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(1, 50)), max_size=12),
+    st.one_of(st.none(), st.integers(1, 64)),
+    st.integers(1, 4),
+)
+def test_plan_chunks_keeps_the_budget_the_row_cap_and_the_order(waiting, budget, max_rows):
+    plan = plan_chunks(waiting, budget, max_rows)
+    assert len(plan) == len(waiting)
+    assert all(0 <= n <= left for n, (_, left) in zip(plan, waiting, strict=True))
+    if budget is not None:
+        assert sum(plan) <= budget
+    for g in {g for g, _ in waiting}:
+        assert sum(1 for n, (h, _) in zip(plan, waiting, strict=True) if h == g and n) <= max_rows
+    # Oldest first: a request gets less than it has left only when the budget ran out or
+    # its group's call is full; and then every later one in that situation gets nothing.
+    spent = 0
+    rows: dict[int, int] = {}
+    for n, (g, left) in zip(plan, waiting, strict=True):
+        room = None if budget is None else budget - spent
+        if rows.get(g, 0) >= max_rows:
+            assert n == 0
+        else:
+            assert n == (left if room is None else min(left, room))
+        if n:
+            rows[g] = rows.get(g, 0) + 1
+        spent += n
+
+
+def test_plan_chunks_examples():
+    assert plan_chunks([(0, 40), (0, 3)], 8, 4) == [8, 0]  # the long one first, cut
+    assert plan_chunks([(0, 3), (0, 3), (0, 40)], 16, 4) == [3, 3, 10]
+    assert plan_chunks([(0, 3), (0, 3), (1, 3)], None, 1) == [3, 0, 3]  # one row per group
+
+
+@pytest.mark.parametrize(
+    ("buckets", "chunk", "max_len", "lengths"),
+    [
+        ((16, 64), 0, 64, [16, 64]),  # whole prompts: every bucket
+        ((16, 32, 64, 128), 64, 128, [16, 32, 64]),
+        ((16, 32, 64, 128), 40, 128, [16, 32, 40]),  # 40 pads to 64: its bucket is warmed
+        ((16, 64), 8, 64, [8]),
+        ((16, 64), 100, 64, [16, 64]),
+    ],
+)
+def test_warm_chunk_lengths_reach_every_bucket_a_chunk_can_use(buckets, chunk, max_len, lengths):
+    assert warm_chunk_lengths(buckets, chunk, max_len) == lengths

@@ -5,7 +5,10 @@ deterministic; a few run the real loop on its thread (drain, stop, the service).
 request's output is a :class:`Recorder` (what the scheduler reported, and whether to ask
 it to finish early, as a stop string does) or a real
 :class:`~jaxlab.serve.output.RequestStream`. After every test the fixture checks the slot
-accounting: no slot held on the host, every row empty on the device.
+and page accounting (:func:`check_released`): no slot held on the host, every row empty
+on the device, every pool consistent with no page held, and no page fault on the fake
+device. The paged cache's own tests (admission by memory, preemption, chunked prefill,
+prefix caching) are in ``test_paged_scheduler.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Recorder:
         self.admitted_n = 0
         self.emits: list[tuple[list[int], bool]] = []
         self.errors: list[ServeError] = []
+        self.cached_tokens: int | None = None
         self.on_emit: Callable[[], None] | None = None
 
     @property
@@ -59,8 +63,9 @@ class Recorder:
         asked = self.finish_after is not None and len(self.tokens) >= self.finish_after
         return bool(self.errors) or asked or any(done for _, done in self.emits)
 
-    def admitted(self) -> None:
+    def admitted(self, cached_tokens: int) -> None:
         self.admitted_n += 1
+        self.cached_tokens = cached_tokens
 
     def emit(self, tokens: list[int], done: bool) -> bool:
         assert not self.ended, "tokens after the end"
@@ -105,11 +110,22 @@ def make(engine: FakeEngine) -> Iterator[Callable[..., Scheduler]]:
     for sched in made:
         if not sched._waiting.stopped:
             settle(sched)
-            assert sched.idle and sched.num_running == 0
-            for g in sched.groups:  # every slot empty on the device too
-                assert g.state is not None and g.state.done.all(), g.state
+            check_released(sched)
             sched.stop()
             sched.run()  # stopped: shuts down at once (closes the group threads)
+
+
+def check_released(sched: Scheduler) -> None:
+    """Nothing held: no slot on the host, every row empty on the device, every pool
+    consistent and holding no page, and the fake device saw no page fault."""
+    assert sched.idle and sched.num_running == 0
+    for g in sched.groups:
+        assert g.state is not None and g.state.done.all(), g.state
+        g.pool.check()
+        assert g.pool.used == 0, (g.index, g.pool.used)
+        assert (g.table.array == g.no_page).all()
+    engine = sched.engine
+    assert isinstance(engine, FakeEngine) and engine.faults == []
 
 
 def settle(sched: Scheduler, max_steps: int = 1000) -> int:
@@ -217,25 +233,44 @@ def test_request_stream_strips_the_stop_token_and_cuts_at_a_stop_string(make, en
 # ----------------------------------------------------------------------------- admission
 
 
-def test_three_waiting_requests_go_as_one_padded_group_spread_over_the_groups(make, engine):
+def test_waiting_requests_spread_over_the_groups_and_are_prefilled_per_group(make, engine):
     sched = make()
     sched.pause_admission()
     outs = submit(sched, req(30, 6), req(5, 8, seed=1), req(9, 4, seed=2))
     n = len(engine.calls)
     sched.resume_admission()
     sched.step()
-    # One 4-row prefill, sorted by length, with a one-token padding row (token 0) ...
-    assert engine.calls[n][0] == "prefill" and engine.calls[n][1] == [5, 9, 30, 1]
-    # ... whose rows land in slots 0, 2, 1 (least busy group, lowest free slot): one insert
-    # per group with the group's own rows; then one chunk per group, from its own thread.
-    assert engine.calls[n + 1 : n + 3] == [
-        ("insert", 2, [0, -1, 1, -1]),
-        ("insert", 2, [-1, 0, -1, -1]),
+    # They take slots 0, 2, 1 (least busy group, lowest free slot), pages in that group's
+    # pool, and one prefill per group (its own decode state), oldest first: [30, 9] in
+    # group 0, [5] in group 1; then one insert per group with the group's own rows ...
+    assert [c[:2] for c in engine.calls[n : n + 4]] == [
+        ("prefill", [30, 9]),
+        ("prefill", [5]),
+        ("insert", 2),
+        ("insert", 2),
     ]
-    threads = {c[2] for c in engine.calls[n + 3 :] if c[0] == "generate"}
+    assert [c[2] for c in engine.calls[n + 2 : n + 4]] == [[0, 1], [0]]
+    # ... then one chunk per group, from its own thread.
+    threads = {c[2] for c in engine.calls[n + 4 :] if c[0] == "generate"}
     assert threads == {"jaxlab-decode-0_0", "jaxlab-decode-1_0"}
     assert [o.admitted_n for o in outs] == [1, 1, 1]
     settle(sched)
+
+
+def test_three_prompts_of_one_group_are_one_call(make, engine):
+    """Three prompts admitted together into one slot group are one prefill call (the
+    engine pads its rows to four) and one insert."""
+    sched = make(decode_groups=1)
+    sched.pause_admission()
+    reqs = [req(30, 6), req(5, 8, seed=1), req(9, 4, seed=2)]
+    outs = submit(sched, *reqs)
+    n = len(engine.calls)
+    sched.resume_admission()
+    sched.step()
+    assert engine.calls[n][:2] == ("prefill", [30, 5, 9]) and engine.calls[n][3] == 4
+    assert engine.calls[n + 1] == ("insert", 4, [0, 1, 2])
+    settle(sched)
+    assert [o.tokens for o in outs] == [engine.reference(r) for r in reqs]
 
 
 def test_a_request_done_in_prefill_takes_no_slot(make, engine):
@@ -263,9 +298,10 @@ def test_requests_arriving_during_a_prefill_are_admitted_before_the_next_chunk(m
     n = len(engine.calls)
     sched.submit(req(6, 12), first)
     sched.step()
-    calls = verbs(engine, n)
-    assert calls[:4] == ["prefill 1", "insert", "prefill 2", "insert"], calls
-    assert "prefill" not in " ".join(calls[4:])
+    calls = [c for c in verbs(engine, n) if c != "set_table"]
+    # The first in group 0; the two late ones, one in each group: one prefill per group.
+    assert calls[:6] == ["prefill 1", "insert", "prefill 1", "prefill 1", "insert", "insert"]
+    assert "prefill" not in " ".join(calls[6:]), calls
     settle(sched)
     assert late[0].tokens == engine.reference(req(9, 10, seed=3))
     assert first.tokens == engine.reference(req(6, 12))
@@ -412,7 +448,7 @@ def unpreparable(n: int, new: int, *, first: int) -> Request:
 def test_a_prefill_that_fails_for_one_request_fails_it_alone(make, engine):
     """The batched prefill raises because of one prompt: its requests are prefilled again
     one by one, so only that one fails and the others get what they get alone."""
-    sched = make()
+    sched = make(decode_groups=1)
     sched.pause_admission()
     reqs = [req(3, 9, first=1), req(5, 9, seed=2, first=2), req(4, 9, seed=3, first=3)]
     reqs.append(req(6, 9, seed=4, first=4))
@@ -427,15 +463,15 @@ def test_a_prefill_that_fails_for_one_request_fails_it_alone(make, engine):
         if o is not outs[2]:
             assert o.tokens == engine.reference(r) and not o.errors
         assert o.admitted_n == 1
-    # One batch of 4 (sorted by length), then each alone: shapes the warm-up compiled.
-    assert prefills(engine, n) == [[3, 4, 5, 6], [3], [4], [5], [6]]
+    # One batch of 4 (oldest first), then each alone: shapes the warm-up compiled.
+    assert prefills(engine, n) == [[3, 5, 4, 6], [3], [5], [4], [6]]
     assert engine.compiles == sched.compiles_after_warmup
 
 
 def test_a_request_that_cannot_be_prepared_fails_alone_before_its_batch(make, engine):
     """A value no device dtype holds fails its own request on the host, before the
     batched prefill, which the others share as if it had never been there."""
-    sched = make()
+    sched = make(decode_groups=1)
     sched.pause_admission()
     good = [req(3, 9, first=1), req(5, 9, seed=2, first=2)]
     outs = submit(sched, good[0], unpreparable(3, 9, first=3), good[1])
@@ -446,7 +482,7 @@ def test_a_request_that_cannot_be_prepared_fails_alone_before_its_batch(make, en
     assert "top_k = 1099511627776 does not fit int32" in str(outs[1].errors[0])
     assert outs[0].tokens == engine.reference(good[0])
     assert outs[2].tokens == engine.reference(good[1])
-    assert prefills(engine, n) == [[3, 5, 1, 1]]  # a group of 4: two rows and padding
+    assert prefills(engine, n) == [[3, 5]]  # its slot and pages went to the next one
 
 
 @settings(max_examples=25, deadline=None)

@@ -41,6 +41,8 @@ OVERRIDES = [
     "serve.slots=4",
     "serve.decode_groups=2",  # two groups of 2 slots on any machine: the threaded path
     "serve.max_tokens_limit=100",
+    # Chunks of at most 32 tokens: one length bucket to compile (of each kind), not two.
+    "serve.prefill_chunk_tokens=32",
 ]
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -359,7 +361,13 @@ def test_streaming_equals_non_streaming_with_valid_sse(server):
             raw = r.read().decode()
         chunks = parse_sse(raw)
         usage = chunks.pop()
-        assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+        assert usage["choices"] == []
+        # The same prompt again: its full pages may come from the prefix cache now.
+        details = usage["usage"].pop("prompt_tokens_details")
+        assert (
+            details["cached_tokens"] >= plain["usage"].pop("prompt_tokens_details")["cached_tokens"]
+        )
+        assert usage["usage"] == plain["usage"]
         text, finish = stream_text(chunks)
         assert text == choice["text"]
         assert finish == choice["finish_reason"]
@@ -768,12 +776,18 @@ def test_drain_finishes_in_flight_and_refuses_new_requests(model, cfg):
         assert states[-2:] == [ModelState.DRAINING, ModelState.STOPPED]
 
 
+def real_chunks(srv: ServerThread, chunks: Any) -> list[Any]:
+    """The chunks of a prefill call that are not padding (a padding row has no page)."""
+    no_page = sched(srv).groups[0].no_page
+    return [c for c in chunks if any(p != no_page for p in c.pages)]
+
+
 def admit_together(srv: ServerThread, engine: Any, run_dir: Any, cfg: Any, reqs: list) -> tuple:
     """Queue ``reqs`` while admission is paused, release them at once and drain them.
 
     Returns ``(outputs, expected, prefills)``: each request's served tokens, its offline
-    generation (a separate engine, whose compiles are its own), and the prompt lengths
-    of every ``prefill`` call the scheduler made, in order.
+    generation (a separate engine, whose compiles are its own), and the chunk lengths of
+    every ``prefill`` call the scheduler made (padding rows left out), in order.
     """
     s = sched(srv)
     wait_until(lambda: s.idle)
@@ -782,9 +796,9 @@ def admit_together(srv: ServerThread, engine: Any, run_dir: Any, cfg: Any, reqs:
     prefills: list[list[int]] = []
     prefill = engine.prefill
 
-    def counting(prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        prefills.append([len(p) for p in prompts])
-        return prefill(prompts, *args, **kwargs)
+    def counting(state: Any, chunks: Any) -> Any:
+        prefills.append([len(c.tokens) for c in real_chunks(srv, chunks)])
+        return prefill(state, chunks)
 
     s.pause_admission()
     engine.prefill = counting
@@ -799,12 +813,13 @@ def admit_together(srv: ServerThread, engine: Any, run_dir: Any, cfg: Any, reqs:
     return [h.token_ids for h in handles], expected, prefills
 
 
-def test_requests_admitted_together_share_one_prefill_and_equal_offline(
+def test_requests_admitted_together_share_a_prefill_per_group_and_equal_offline(
     server, engine, run_dir, cfg
 ):
-    """With every slot free, waiting requests are prefilled as one ragged batch and
-    scattered into their slots (one finishes in prefill and takes no slot); each output
-    equals generating it alone, and nothing compiles beyond the warm-up."""
+    """With every slot free, waiting requests spread over the two slot groups and each
+    group prefills its own as one ragged call, within the step's budget (one finishes in
+    prefill and gives its slot to the fifth); each output equals generating it alone, and
+    nothing compiles beyond the warm-up."""
     from jaxlab.infer.sampling import SamplingParams
 
     s = sched(server)
@@ -817,39 +832,45 @@ def test_requests_admitted_together_share_one_prefill_and_equal_offline(
         ([15] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True)),  # waits for a slot
     ]
     outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
-    calls = [len(p) for p in prefills]
     assert outputs == expected
-    assert calls[0] == 4 and sorted(calls[1:]) == [1]
+    # Slots 0, 2, 1, 3 in turn; the step's 32 tokens: [3, 2] in group 0, [25, 2] in group 1
+    # (the 12-token prompt is cut). The one done in prefill frees slot 1 for the last, and
+    # the next step prefills the rest of the 12 and the last one.
+    assert prefills == [[3, 2], [25, 2], [10], [4]]
     assert engine.compiles == s.compiles_after_warmup
 
 
-def test_three_admitted_together_go_as_one_padded_group(server, engine, run_dir, cfg):
-    """Admission groups have the compiled sizes: 3 waiting requests (4 free slots) are one
-    4-row prefill with a one-token padding row that takes no slot, and each output equals
-    offline generation."""
+def test_a_long_prompt_is_prefilled_in_chunks_packed_with_short_ones(server, engine, run_dir, cfg):
+    """serve.prefill_chunk_tokens = 32: a 100-token prompt is prefilled 32 tokens a step,
+    oldest first, and its last 4 are packed with the short prompt of its slot group (and
+    the other group's) in the rest of the step's budget. Each output equals offline
+    generation."""
     from jaxlab.infer.sampling import SamplingParams
 
     s = sched(server)
-    assert s.admission_sizes == (4, 2, 1)
+    assert s.admission_sizes == (4, 2, 1) and s.prefill_chunk_tokens == 32
     reqs = [
-        ([21] * 30, SamplingParams(max_new_tokens=6, ignore_eos=True)),
+        ([21] * 100, SamplingParams(max_new_tokens=6, ignore_eos=True)),
         ([22] * 5, SamplingParams(max_new_tokens=8, temperature=0.7, seed=9, ignore_eos=True)),
         ([23] * 9, SamplingParams(max_new_tokens=4, ignore_eos=True)),
     ]
     outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     assert outputs == expected
-    assert prefills == [[5, 9, 30, 1]]
+    # Slots 0 (group 0), 2 (group 1), 1 (group 0): the 100-token prompt gets the whole
+    # budget three steps running; the fourth, its last 4 with the 9-token one, and the
+    # 5-token one.
+    assert prefills == [[32], [32], [32], [4, 9], [5]]
     assert engine.compiles == s.compiles_after_warmup
 
 
 def test_requests_spread_over_the_slot_groups_which_decode_side_by_side(
     server, engine, run_dir, cfg
 ):
-    """``serve.decode_groups=2``: slots 0-1 and 2-3 are two batched states. Requests
-    admitted together take the least busy group's lowest free slot, so three of them land
-    in slots 0, 2 and 1 (one ``insert`` per group, with the group's own row indices);
-    every chunk then runs both groups, each dispatched from its own thread; and each output
-    equals offline generation."""
+    """``serve.decode_groups=2``: slots 0-1 and 2-3 are two batched states, each over a
+    page pool of its own. Requests admitted together take the least busy group's lowest
+    free slot, so three of them land in slots 0, 2 and 1 (one prefill and one ``insert``
+    per group, with the group's own row indices); every chunk then runs both groups, each
+    dispatched from its own thread; and each output equals offline generation."""
     from jaxlab.infer.sampling import SamplingParams
 
     s = sched(server)
@@ -863,9 +884,9 @@ def test_requests_spread_over_the_slot_groups_which_decode_side_by_side(
     chunks: list[tuple[int, str]] = []
     insert, generate = engine.insert, engine.generate
 
-    def record_insert(prefix: Any, state: Any, slots: Any) -> Any:
+    def record_insert(pre: Any, state: Any, slots: Any) -> Any:
         inserts.append((state.slots, list(slots)))
-        return insert(prefix, state, slots)
+        return insert(pre, state, slots)
 
     def record_chunk(state: Any, *args: Any, **kwargs: Any) -> Any:
         chunks.append((state.slots, threading.current_thread().name))
@@ -877,8 +898,8 @@ def test_requests_spread_over_the_slot_groups_which_decode_side_by_side(
     finally:
         del engine.insert, engine.generate
     assert outputs == expected
-    assert prefills == [[3, 4, 7, 1]]  # by prompt length; the padding row takes no slot
-    assert inserts == [(2, [0, -1, 1, -1]), (2, [-1, 0, -1, -1])]
+    assert prefills == [[4, 3], [7]]
+    assert inserts == [(2, [0, 1]), (2, [0])]
     assert {rows for rows, _ in chunks} == {2}
     threads = {name for _, name in chunks}
     assert threads == {"jaxlab-decode-0_0", "jaxlab-decode-1_0"}, threads
@@ -906,11 +927,11 @@ def test_requests_arriving_during_a_prefill_are_admitted_before_the_next_chunk(
     late_handles: list[Any] = []
     prefill_fn, generate_fn = engine.prefill, engine.generate
 
-    def prefill(prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(f"prefill {len(prompts)}")
+    def prefill(state: Any, chunks: Any) -> Any:
+        calls.append(f"prefill {len(real_chunks(server, chunks))}")
         if not late_handles:  # the others arrive while this one is being prefilled
             late_handles.extend(submit(server, list(ids), sp) for ids, sp in later)
-        return prefill_fn(prompts, *args, **kwargs)
+        return prefill_fn(state, chunks)
 
     def chunk(*args: Any, **kwargs: Any) -> Any:
         calls.append("chunk")
@@ -925,16 +946,18 @@ def test_requests_arriving_during_a_prefill_are_admitted_before_the_next_chunk(
             drain_events(h)
     finally:
         del engine.prefill, engine.generate
-    assert calls[:2] == ["prefill 1", "prefill 2"], calls
-    assert "prefill" not in " ".join(calls[2:]), calls
+    # The late ones land in slots 2 and 1: one prefill in each group.
+    assert calls[:3] == ["prefill 1", "prefill 1", "prefill 1"], calls
+    assert "prefill" not in " ".join(calls[3:]), calls
     assert [h.token_ids for h in handles] == expected
     assert engine.compiles == s.compiles_after_warmup
 
 
 def test_requests_done_in_prefill_cannot_starve_decoding(server, engine):
-    """Prefill goes first, but boundedly: one-token requests (done in prefill, they take no
-    slot) that keep arriving during each other's prefills are admitted at most ``slots``
-    per iteration, so the request that is decoding still advances between them."""
+    """Prefill goes first, but boundedly: one-token requests (done in prefill, their slot
+    is free again at once) that keep arriving during each other's prefills are admitted at
+    most ``slots`` per iteration, so the request that is decoding still advances between
+    them."""
     from jaxlab.infer.sampling import SamplingParams
 
     s = sched(server)
@@ -944,11 +967,11 @@ def test_requests_done_in_prefill_cannot_starve_decoding(server, engine):
     flood: list[Any] = []
     prefill_fn, generate_fn = engine.prefill, engine.generate
 
-    def prefill(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+    def prefill(state: Any, chunks: Any) -> Any:
         calls.append("prefill")
         if calls.count("chunk") and len(flood) < 12:  # the next one arrives meanwhile
             flood.append(submit(server, [41] * 3, one))
-        return prefill_fn(prompts, *args, **kwargs)
+        return prefill_fn(state, chunks)
 
     def chunk(*args: Any, **kwargs: Any) -> Any:
         calls.append("chunk")
@@ -1005,9 +1028,10 @@ def test_zz_nothing_compiled_while_serving(server, engine):
     """Runs last in the module: all the traffic above compiled nothing new."""
     warm = sched(server).compiles_after_warmup
     assert warm is not None
-    # One prefill per (bucket, admission group size): groups of 1, 2 and 4 (serve.prefill_batch
-    # = the 4 slots here); insert once per group size (a 1-row prefix also frees a slot);
-    # generate once, for a slot group's rows.
-    assert warm["prefill"] == 3 * len(engine.buckets) == 6
+    # One prefill per (kind, length bucket, row bucket): chunks from a prompt's start and
+    # past it, of the one bucket that holds serve.prefill_chunk_tokens = 32, in calls of 1,
+    # 2 and 4 rows (serve.prefill_batch = the 4 slots here); insert once per row bucket (a
+    # 1-row prefill also frees a slot); generate once, for a slot group's rows.
+    assert warm["prefill"] == 2 * 1 * 3 == 6
     assert warm["insert"] == 3 and warm["generate"] == 1
     assert engine.compiles == warm

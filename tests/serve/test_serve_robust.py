@@ -30,6 +30,7 @@ from test_serve_api import (  # fixtures (cfg, model, run_dir, server) and helpe
     metrics,
     model,  # noqa: F401
     parse_sse,
+    real_chunks,
     run_dir,  # noqa: F401
     sched,
     server,  # noqa: F401
@@ -144,8 +145,9 @@ def test_numbers_out_of_range_are_400_naming_the_field_and_its_range(server):
 def test_a_request_that_fails_in_prefill_fails_alone(model, cfg, monkeypatch):
     """Three HTTP requests and an unchecked one (a top_k no int32 holds, queued straight
     into the service) are admitted together. The unchecked one fails on the host before
-    the prefill; the device prefill raises for one prompt, so the batch is prefilled
-    again one by one: that request gets a 500, the others exactly what they get alone."""
+    the prefill; the device prefill raises for one prompt, so a call that holds it is
+    prefilled again one by one: that request gets a 500, the others exactly what they get
+    alone."""
     from jaxlab.infer.request import Request
     from jaxlab.infer.sampling import SamplingParams
 
@@ -161,13 +163,14 @@ def test_a_request_that_fails_in_prefill_fails_alone(model, cfg, monkeypatch):
         ]
         alone = [httpx.post(url + GEN, json=b, timeout=60).json()["text"] for b in bodies]
         poisoned = tuple(tok.encode("poison pill"))
-        real, rows = eng.prefill, []
+        real, calls = eng.prefill, []
 
-        def prefill(prompts: Any, samplings: Any, **kw: Any) -> Any:
-            rows.append(len(prompts))
-            if any(tuple(p) == poisoned for p in prompts):
+        def prefill(state: Any, chunks: Any) -> Any:
+            prompts = [tuple(c.tokens) for c in chunks if c.start == 0 and c.last]
+            calls.append((len(real_chunks(srv, chunks)), poisoned in prompts))
+            if poisoned in prompts:
                 raise RuntimeError("the device broke on this prompt")
-            return real(prompts, samplings, **kw)
+            return real(state, chunks)
 
         monkeypatch.setattr(eng, "prefill", prefill)
         sc = sched(srv)
@@ -186,7 +189,15 @@ def test_a_request_that_fails_in_prefill_fails_alone(model, cfg, monkeypatch):
                 return list(await asyncio.gather(*sent))
 
         answers = asyncio.run(together())
-        assert rows == [4, 1, 1, 1]  # the batch (3 rows and a padding row), then each alone
+        # One call per slot group; the one that held the poisoned prompt, if it held two,
+        # again one by one (the poisoned one alone fails again).
+        bad = [i for i, (_, poison) in enumerate(calls) if poison]
+        assert calls[bad[-1]] == (1, True)
+        if calls[bad[0]][0] == 2:
+            assert calls[bad[0] + 1 : bad[0] + 3] in (
+                [(1, False), (1, True)],
+                [(1, True), (1, False)],
+            )
         err = assert_error(answers[1], 500, "internal_error")
         assert "prefill failed: the device broke on this prompt" in err["message"]
         for i in (0, 2):

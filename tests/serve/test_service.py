@@ -74,3 +74,47 @@ def test_request_errors_name_the_field_and_admission_follows_the_lifecycle(servi
     assert e.value.state == "draining"
     with pytest.raises(NotAccepting):
         svc.submit(ok)
+
+
+def test_a_request_that_can_never_fit_the_kv_pool_is_refused_before_it_queues():
+    """inference.num_pages = 4 pages of 4 tokens: ``request()`` refuses prompt + max_tokens
+    over 16 tokens (the one check, before submit), naming the pool; the scheduler's own
+    ``submit`` refuses it too, for a caller that skips the check."""
+    cfg = load_config(
+        "tiny",
+        ["serve.slots=2", "serve.decode_groups=1", "inference.num_pages=4"],
+        environ={},
+    )
+    engine = FakeEngine(page_size=4)
+    svc = ModelService.from_engine(engine, TOK, cfg)  # type: ignore[arg-type]
+    svc.start()
+    try:
+        assert svc.wait_ready(30) == ModelState.READY
+        assert svc.info()["kv_pages"] == 4 and svc.info()["page_size"] == 4
+        with pytest.raises(RequestTooLong) as e:
+            svc.request("x" * 10, SamplingParams(max_new_tokens=7))
+        assert e.value.param == "prompt" and "inference.num_pages" in str(e.value)
+        ok = svc.request("x" * 10, SamplingParams(max_new_tokens=6))
+        assert events(svc.submit(ok))[-1].kind == "done"
+        from jaxlab.infer.request import Request
+
+        unchecked = Request(ok.prompt_ids, SamplingParams(max_new_tokens=7))
+        with pytest.raises(RequestTooLong):
+            svc.submit(unchecked)
+    finally:
+        svc.stop()
+
+
+def test_kv_cache_mib_sizes_the_pool_from_the_model():
+    """inference.kv_cache_mib: pages of K and V for every layer, in the compute dtype."""
+    from jaxlab.serve.service import kv_pages
+
+    cfg = load_config("tiny", ["inference.kv_cache_mib=1"], environ={})
+    m = cfg.model
+    page_bytes = 2 * m.n_layers * 16 * m.n_kv_heads * m.head_dim * 4
+    assert kv_pages(cfg, 16) == 2**20 // page_bytes
+    assert kv_pages(load_config("tiny", ["inference.num_pages=9"], environ={}), 16) == 9
+    assert kv_pages(load_config("tiny", [], environ={}), 16) is None
+    tiny = load_config("tiny", ["inference.kv_cache_mib=0.0001"], environ={})
+    with pytest.raises(ValueError, match=r"inference\.kv_cache_mib: a KV cache budget"):
+        kv_pages(tiny, 16)
