@@ -41,7 +41,7 @@ def test_train_and_generate_through_the_library(trained):
     lines = out.splitlines()
     assert lines[0].startswith("trained 150 steps: loss ")
     assert len(lines) == 4 and lines[1].startswith("'") and lines[2].startswith("'")
-    assert "'prefill': 1, 'insert': 0, 'generate': 1" in lines[3]
+    assert "'prefill': 1, 'insert': 1, 'generate': 1" in lines[3]
     assert (run_dir / "checkpoints" / "150").is_dir()
     assert (run_dir / "metrics.jsonl").is_file()
 

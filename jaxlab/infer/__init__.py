@@ -1,10 +1,12 @@
 """jaxlab.infer: KV-cached inference behind a device API, and offline generation on top of it.
 
 =================  ===================================================================
-``engine``         :class:`Engine`: ``init_decode_state`` / ``prefill`` / ``insert`` /
-                   ``generate``, compiled once per shape and counted
+``engine``         :class:`Engine`: ``init_decode_state`` / ``set_table`` / ``prefill`` /
+                   ``insert`` / ``generate`` over a paged cache, compiled once per shape
+                   and counted
+``chunks``         :class:`Chunk`: a run of one prompt's positions; a prefill's batching
 ``steps``          the pure functions it jits: prefill, the decode step and loop, insert
-``state``          :class:`DecodeState`: the cache and per-row bookkeeping
+``state``          :class:`DecodeState`: the paged cache and per-row bookkeeping
 ``pages``          :class:`PagePool`: the paged cache's pages per sequence, prefix caching
 ``sampling``       per-request sampling as per-row arrays; ``sample``
 ``request``        :class:`Request`: the one request type, checked once
@@ -18,6 +20,7 @@ See ``docs/inference.md``. This package imports jax; the CLI imports it only ins
 command bodies.
 """
 
+from jaxlab.infer.chunks import Chunk
 from jaxlab.infer.engine import Engine, Prefill, default_buckets
 from jaxlab.infer.load import LoadedRun, load_run
 from jaxlab.infer.measure import measure_generate
@@ -41,6 +44,7 @@ __all__ = [
     "NO_TOKEN",
     "Admission",
     "BadRequest",
+    "Chunk",
     "DecodeState",
     "Engine",
     "Generation",

@@ -1,28 +1,33 @@
-"""The inference engine: a device API of four verbs, shaped like JetStream's ``engine_api``.
+"""The inference engine: a device API of a few verbs, shaped like JetStream's ``engine_api``,
+over a paged KV cache.
 
 ::
 
     engine = Engine(run.graphdef, run.params, run.cfg)       # or Engine.from_config(cfg)
-    state = engine.init_decode_state(slots=4)                  # every slot empty (done)
-    pre = engine.prefill([ids_a, ids_b], [sampling_a, sampling_b])
-    state = engine.insert(pre.state, state, slots=[2, 0])      # prefix rows -> slots
+    state = engine.init_decode_state(slots=4)                  # a pool of pages, every slot empty
+    state = engine.set_table(state, table)                     # host page table -> device
+    state, pre = engine.prefill(state, [Chunk(ids, 0, pages, sampling)])   # K/V into pages
+    state = engine.insert(pre, state, slots=[2])               # prefix rows -> slots
     state, tokens, done = engine.generate(state, k=8)          # <= k tokens per slot
 
-The caller holds the decode state; the engine holds the weights and the compiled
-functions. It knows nothing of text, checkpoints, requests' lifetimes or threads: offline
-generation (:mod:`jaxlab.infer.offline`) and the server's scheduler (:mod:`jaxlab.serve`)
-are written against these verbs alone, and the cache-free baseline
+The caller holds the decode state and decides which pages each sequence holds (a
+:class:`~jaxlab.infer.pages.PagePool`); the engine holds the weights and the compiled
+functions, and follows the page table it is given. It knows nothing of text,
+checkpoints, requests' lifetimes or threads: offline generation
+(:mod:`jaxlab.infer.offline`) and the server's scheduler (:mod:`jaxlab.serve`) are written
+against these verbs alone, and the cache-free baseline
 (:class:`~jaxlab.infer.naive.NaiveEngine`) implements the same ones.
 
 Every jitted function is a :class:`ShapeKeyedJit`, so compiles are explicit, timed and
-counted (:attr:`Engine.compiles`): ``prefill`` once per (bucket, rows), ``generate`` once
-per (k, slots), ``insert`` once per (prefix rows, slots).
+counted (:attr:`Engine.compiles`): for a decode state of a given pool, ``prefill`` once
+per (length bucket, row bucket, from-start or not), ``generate`` once per (k, slots),
+``insert`` once per (prefix rows, slots); ``set_table`` never compiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -30,8 +35,10 @@ import numpy as np
 from flax import nnx
 
 from jaxlab.config.schema import JaxlabConfig
+from jaxlab.infer.chunks import Chunk, batch_chunks
+from jaxlab.infer.pages import default_num_pages, pages_for_budget
 from jaxlab.infer.request import Limits, RequestTooLong
-from jaxlab.infer.sampling import SamplingParams, empty_sampling_arrays, sampling_arrays
+from jaxlab.infer.sampling import empty_sampling_arrays, sampling_arrays
 from jaxlab.infer.state import DecodeState
 from jaxlab.infer.steps import (
     Weights,
@@ -41,6 +48,7 @@ from jaxlab.infer.steps import (
     prepare_weights,
     step_weight_bytes,
 )
+from jaxlab.kernels.paged import Pages, max_pages_for
 from jaxlab.model import make_model, split_model
 from jaxlab.runtime import tuning
 from jaxlab.runtime.compiled import CompileTiming, ShapeKeyedJit
@@ -69,13 +77,17 @@ def default_buckets(max_len: int, smallest: int = MIN_DEFAULT_BUCKET) -> list[in
 
 class Prefill(NamedTuple):
     """What :meth:`Engine.prefill` returns: the prefix (a decode state with one row per
-    prompt), each row's first sampled token and whether it already finished (device
-    arrays), and the bucket the prompts were padded to (None: not bucketed)."""
+    chunk and no pools), each row's sampled token and whether it already finished
+    (device arrays; rows past the chunks are padding, and a chunk that is not its
+    prompt's ``last`` has a meaningless token), the bucket the chunks were padded to
+    (None: not bucketed), and each chunk's ``last`` flag (:meth:`Engine.insert` skips the
+    rows whose prompt goes on)."""
 
     state: Any
     tokens: Array
     done: Array
     bucket: int | None
+    last: tuple[bool, ...] = ()
 
 
 def put(x: np.ndarray) -> Array:
@@ -105,20 +117,28 @@ class Engine:
             buckets.append(self.max_len)  # every prompt that fits has a bucket
         self.buckets: tuple[int, ...] = tuple(buckets)
         self.compute_dtype = str(cfg.train.precision.compute_dtype)
-        model = nnx.merge(graphdef, params)
-        self.kernel: str = model.blocks[0].attn.kernel_name
-        kernels = [block.attn.kernel for block in model.blocks]
-        self._empty_cache = jax.eval_shape(lambda: model.init_cache(1, self.max_len))
-        self._prefill = ShapeKeyedJit(
-            make_prefill(graphdef, self.max_len),
-            name="prefill",
-            warn_on_recompile=False,  # once per (bucket, rows) by design
-        )
+        #: Tokens per page, and the pages one sequence of ``max_len`` tokens may hold.
+        self.page_size: int = inf.page_size
+        self.max_pages: int = max_pages_for(self.max_len, self.page_size)
+        self._model = nnx.merge(graphdef, params)
+        attn = self._model.blocks[0].attn
+        self.kernel: str = attn.kernel_name
+        self.paged_kernel: str = attn.paged_kernel.name
+        # Once per (length bucket, row bucket) of each kind, by design.
+        self._prefill = {
+            from_start: ShapeKeyedJit(
+                make_prefill(graphdef, self.max_len, from_start=from_start),
+                name="prefill",
+                donate_argnums=(1,),
+                warn_on_recompile=False,
+            )
+            for from_start in (True, False)
+        }
         self._insert = ShapeKeyedJit(
-            make_insert(kernels), name="insert", donate_argnums=(1,), warn_on_recompile=False
+            make_insert(), name="insert", donate_argnums=(1,), warn_on_recompile=False
         )
         self._generate: dict[int, ShapeKeyedJit] = {}
-        self._jitted: list[ShapeKeyedJit] = [self._prefill, self._insert]
+        self._jitted: list[ShapeKeyedJit] = [*self._prefill.values(), self._insert]
         self._naive: NaiveEngine | None = None
 
     @classmethod
@@ -164,6 +184,37 @@ class Engine:
     def limits(self, eos_id: int | None = None) -> Limits:
         """What a request for this engine is checked against (:meth:`Request.create`)."""
         return Limits(self.vocab_size, self.max_len, eos_id)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of ``page_size`` tokens in every layer."""
+        m = self.cfg.model
+        itemsize = np.dtype(self._model.compute_dtype).itemsize
+        return 2 * m.n_layers * self.page_size * m.n_kv_heads * m.head_dim * itemsize
+
+    def pool_pages(self, slots: int, groups: int = 1) -> int:
+        """The pages of one decode state of ``slots`` rows, when the configured KV cache is
+        split over ``groups`` such states: ``inference.num_pages // groups``, or what
+        ``inference.kv_cache_mib / groups`` holds, or by default enough for every slot to
+        hold ``max_len`` tokens (the contiguous cache's memory)."""
+        inf = self.cfg.inference
+        if inf.num_pages is not None:
+            n = inf.num_pages // groups
+        elif inf.kv_cache_mib is not None:
+            m = self.cfg.model
+            n = pages_for_budget(
+                inf.kv_cache_mib / groups,
+                page_size=self.page_size,
+                n_layers=m.n_layers,
+                n_kv_heads=m.n_kv_heads,
+                head_dim=m.head_dim,
+                dtype_bytes=np.dtype(self._model.compute_dtype).itemsize,
+            )
+        else:
+            return default_num_pages(slots, self.max_len, self.page_size)
+        if n < 1:
+            raise ValueError(f"{groups} decode states leave no page each of {inf.num_pages}")
+        return n
 
     def bucket_for(self, n_tokens: int) -> int:
         """The smallest prefill bucket holding ``n_tokens``."""
@@ -211,17 +262,27 @@ class Engine:
         self._jitted.append(fn)
         return fn
 
-    # ------------------------------------------------------------------ the four verbs
+    # ------------------------------------------------------------------ the verbs
 
-    def init_decode_state(self, slots: int) -> DecodeState:
-        """A decode state of ``slots`` rows, every one empty (done), over a zero cache."""
+    def init_decode_state(self, slots: int, num_pages: int | None = None) -> DecodeState:
+        """A decode state of ``slots`` rows, every one empty (done), over a zero pool of
+        ``num_pages`` pages (default :meth:`pool_pages`) and a table holding no page
+        (every entry ``NO_PAGE = num_pages``). Built from host arrays: no compile."""
+        n = self.pool_pages(slots) if num_pages is None else num_pages
+        if n < 1:
+            raise ValueError(f"a decode state needs at least one page, got num_pages={n}")
+        model = self._model
+        shapes = jax.eval_shape(lambda: model.init_pages(slots, n, self.page_size, self.max_len))
 
         def zeros(a: jax.ShapeDtypeStruct) -> Array:  # host zeros: no per-shape compile
-            return put(np.zeros((a.shape[0] * slots, *a.shape[1:]), a.dtype))
+            return put(np.zeros(a.shape, a.dtype))
 
         # Distinct buffers everywhere: the state is donated, and a buffer may be donated once.
         return DecodeState(
-            cache=jax.tree.map(zeros, self._empty_cache),
+            cache=Pages(
+                jax.tree.map(zeros, shapes.pools),
+                put(np.full((slots, self.max_pages), n, np.int32)),
+            ),
             tokens=put(np.zeros((slots,), np.int32)),
             pos=put(np.zeros((slots,), np.int32)),
             generated=put(np.zeros((slots,), np.int32)),
@@ -230,47 +291,84 @@ class Engine:
             max_len=self.max_len,
         )
 
+    def set_table(self, state: DecodeState, table: np.ndarray) -> DecodeState:
+        """``state`` with the host page table ``int32[slots, max_pages]`` (page ids, or
+        ``NO_PAGE = num_pages`` for none): a host-to-device copy, no compile. The caller
+        gives every active row pages for the positions its next ``generate`` writes."""
+        table = np.asarray(table, np.int32)
+        n = state.cache.num_pages
+        if table.shape != (state.slots, self.max_pages):
+            raise ValueError(
+                f"page table of shape {table.shape}; expected ({state.slots}, {self.max_pages})"
+            )
+        if table.size and not (table.min() >= 0 and table.max() <= n):
+            raise ValueError(f"page table entries must be page ids 0..{n - 1} or NO_PAGE = {n}")
+        return dataclasses.replace(state, cache=Pages(state.cache.pools, put(table)))
+
     def prefill(
         self,
-        prompts: Sequence[Sequence[int]],
-        samplings: Sequence[SamplingParams],
+        state: DecodeState,
+        chunks: Sequence[Chunk],
         *,
         bucket: int | None = None,
         params: nnx.State | None = None,
-    ) -> Prefill:
-        """Prefill ragged ``prompts`` (checked token ids) together, right-padded to one
-        bucket (default: the smallest configured one that holds the longest)."""
-        lengths = [len(p) for p in prompts]
+    ) -> tuple[DecodeState, Prefill]:
+        """Compute ``chunks`` (:class:`~jaxlab.infer.chunks.Chunk`) together and write their
+        K/V into ``state``'s pages (the pools are donated; the rest of ``state`` is left as
+        it was). The chunks are right-padded to one length bucket (default: the smallest
+        configured one that holds the longest) and a power-of-two row count. When every
+        chunk starts at position 0 the sequence forward runs (attention over the chunk
+        only, as a whole prompt costs); otherwise the model extends each sequence's pages,
+        attending to its earlier positions too (chunked prefill, a cached prefix).
+
+        Returns the state and the :class:`Prefill`: each chunk's sampled token (key index
+        ``chunk.generated``) for :meth:`insert`."""
+        longest = max((len(c.tokens) for c in chunks), default=0)
         if bucket is None:
-            bucket = self.bucket_for(max(lengths))
-        elif not max(lengths) <= bucket <= self.max_len:
+            bucket = self.bucket_for(longest)
+        elif not longest <= bucket <= self.max_len:
             raise ValueError(
-                f"bucket {bucket} must hold the longest prompt ({max(lengths)}) and be <= "
+                f"bucket {bucket} must hold the longest chunk ({longest}) and be <= "
                 f"inference.max_len = {self.max_len}"
             )
-        tokens = np.zeros((len(prompts), bucket), np.int32)  # right padding (id 0, invisible)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-        state = self._prefill(
-            self.weights(params),
-            put(tokens),
-            put(np.array(lengths, np.int32)),
-            sampling_arrays(samplings),
+        batch = batch_chunks(
+            chunks,
+            bucket,
+            max_len=self.max_len,
+            page_size=self.page_size,
+            max_pages=self.max_pages,
+            num_pages=state.cache.num_pages,
         )
-        return Prefill(state, state.tokens, state.done, bucket)
+        pools, prefix = self._prefill[batch.from_start](
+            self.weights(params),
+            state.cache.pools,
+            put(batch.tokens),
+            put(batch.starts),
+            put(batch.lengths),
+            put(batch.table),
+            put(batch.generated),
+            sampling_arrays(batch.samplings),
+        )
+        state = dataclasses.replace(state, cache=Pages(pools, state.cache.table))
+        last = tuple(c.last for c in chunks)
+        return state, Prefill(prefix, prefix.tokens, prefix.done, bucket, last)
 
-    def insert(self, prefix: DecodeState, state: DecodeState, slots: Sequence[int]) -> DecodeState:
-        """Row ``i`` of ``prefix`` into slot ``slots[i]`` of ``state`` (donated); ``-1`` skips a
-        row (padding, or a request finished in prefill). Slots must be distinct."""
-        if len(slots) != prefix.slots:
-            raise ValueError(f"{len(slots)} slots for a prefix of {prefix.slots} rows")
-        chosen = [s for s in slots if s >= 0]
+    def insert(self, prefix: Prefill, state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """Row ``i`` of ``prefix`` (chunk ``i``) into slot ``slots[i]`` of ``state`` (donated),
+        its page-table row included; ``-1`` skips a row (a request that finished in
+        prefill), and so does every chunk that is not its prompt's ``last``. Slots must be
+        distinct."""
+        if len(slots) != len(prefix.last):
+            raise ValueError(f"{len(slots)} slots for a prefill of {len(prefix.last)} chunks")
+        chosen = [s for s, last in zip(slots, prefix.last, strict=True) if last and s >= 0]
         if len(set(chosen)) != len(chosen):
             raise ValueError(f"slots must be distinct, got {list(slots)}")
         bad = [s for s in chosen if s >= state.slots]
         if bad:
             raise IndexError(f"slot {bad[0]} out of range for {state.slots} slots")
-        return self._insert(prefix, state, put(np.asarray(slots, np.int32)))
+        rows = [s if last else -1 for s, last in zip(slots, prefix.last, strict=True)]
+        rows += [-1] * (prefix.state.slots - len(rows))  # padding rows
+        return self._insert(prefix.state, state, put(np.asarray(rows, np.int32)))
 
     def generate(
         self, state: DecodeState, k: int | None = None, *, params: nnx.State | None = None
@@ -289,21 +387,6 @@ class Engine:
             fn = self.track(ShapeKeyedJit(step, name="generate", donate_argnums=(1,)))
             self._generate[k] = fn
         return fn(self.weights(params), state)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A stand-in for the paged engine's ``Chunk`` (issue #33's shared design), so serving
-    can be written against it before the paged engine lands: positions ``start ..
-    start + len(tokens) - 1`` of one sequence, its page list, and, for its ``last`` chunk,
-    the key index ``generated`` of the token it samples."""
-
-    tokens: Sequence[int]
-    start: int
-    pages: Sequence[int]
-    sampling: SamplingParams
-    last: bool = True
-    generated: int = 0
 
 
 __all__ = ["Chunk", "Engine", "Prefill", "default_buckets", "put"]

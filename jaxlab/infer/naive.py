@@ -1,11 +1,12 @@
 """The cache-free baseline: every step recomputes the whole prefix, behind the engine's verbs.
 
-:class:`NaiveEngine` answers ``prefill`` and ``generate`` like
-:class:`~jaxlab.infer.engine.Engine`, so offline generation runs it unchanged
-(``kv_cache=False``). Each step runs the model's sequence forward over the whole padded
-``[B, max_len]`` buffer and reads the logits at each row's last real position. It exists
-to measure what the KV cache saves, and as a second, independent path that cached decoding
-must agree with.
+:class:`NaiveEngine` answers the verbs of :class:`~jaxlab.infer.engine.Engine`
+(``init_decode_state``, ``set_table``, ``prefill``, ``insert``, ``generate``), so offline
+generation runs it unchanged (``kv_cache=False``). Each step runs the model's sequence
+forward over the whole padded ``[B, max_len]`` buffer and reads the logits at each row's
+last real position. It exists to measure what the KV cache saves, and as a second,
+independent path that cached decoding must agree with. Having no cache, it has no pages:
+``set_table`` changes nothing, and its chunks must be whole prompts (start 0, last).
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxlab.infer.chunks import Chunk
 from jaxlab.infer.engine import Engine, Prefill, put
-from jaxlab.infer.sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
+from jaxlab.infer.sampling import (
+    SamplingArrays,
+    SamplingParams,
+    empty_sampling_arrays,
+    sample,
+    sampling_arrays,
+)
 from jaxlab.infer.steps import NO_TOKEN, advance_rows, decode_loop
 from jaxlab.runtime.compiled import ShapeKeyedJit
 
@@ -69,9 +77,10 @@ def naive_step(
 
 
 class NaiveEngine:
-    """``prefill`` / ``generate`` without a KV cache, over ``engine``'s model and params.
+    """The engine's verbs without a KV cache, over ``engine``'s model and params.
 
-    Its compiles are counted with ``engine``'s (``naive_prefill``, ``naive_generate``).
+    Its compiles are counted with ``engine``'s (``naive_prefill``, ``naive_insert``,
+    ``naive_generate``).
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -83,15 +92,28 @@ class NaiveEngine:
             new, _, emitted = naive_step(graphdef, params, state)
             return new, emitted, new.done
 
+        def insert(prefix: NaiveState, state: NaiveState, slots: Array) -> NaiveState:
+            idx = jnp.where(slots >= 0, slots, state.done.shape[0])  # out of range: dropped
+            return jax.tree.map(
+                lambda big, rows: big.at[idx].set(rows.astype(big.dtype), mode="drop"),
+                state,
+                prefix,
+            )
+
         self._prefill = engine.track(
             ShapeKeyedJit(first, name="naive_prefill", donate_argnums=(1,))
         )
+        self._insert = engine.track(ShapeKeyedJit(insert, name="naive_insert", donate_argnums=(1,)))
         self._generate: dict[int, ShapeKeyedJit] = {}
 
     def initial_state(
-        self, prompts: Sequence[Sequence[int]], samplings: Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        samplings: Sequence[SamplingParams],
+        generated: Sequence[int] | None = None,
     ) -> NaiveState:
-        """The prompts in one ``[B, max_len]`` buffer, before any step."""
+        """The prompts in one ``[B, max_len]`` buffer, before any step; ``generated``: each
+        row's sampled tokens so far (the index of its next sampling key)."""
         b = len(prompts)
         buf = np.zeros((b, self.max_len), np.int32)
         for i, p in enumerate(prompts):
@@ -99,19 +121,48 @@ class NaiveEngine:
         return NaiveState(
             buf=put(buf),
             pos=put(np.array([len(p) - 1 for p in prompts], np.int32)),
-            generated=put(np.zeros((b,), np.int32)),
+            generated=put(np.asarray(generated or [0] * b, np.int32)),
             done=put(np.zeros((b,), np.bool_)),
             sampling=sampling_arrays(samplings),
         )
 
-    def prefill(
-        self, prompts: Sequence[Sequence[int]], samplings: Sequence[SamplingParams]
-    ) -> Prefill:
-        """The first step over the whole prompts: their first tokens."""
-        state, tokens, done = self._prefill(
-            self.engine.params, self.initial_state(prompts, samplings)
+    def init_decode_state(self, slots: int, num_pages: int | None = None) -> NaiveState:
+        """``slots`` empty (done) rows; ``num_pages`` is ignored (no cache, no pages)."""
+        return NaiveState(
+            buf=put(np.zeros((slots, self.max_len), np.int32)),
+            pos=put(np.zeros((slots,), np.int32)),
+            generated=put(np.zeros((slots,), np.int32)),
+            done=put(np.ones((slots,), np.bool_)),
+            sampling=empty_sampling_arrays(slots),
         )
-        return Prefill(state, tokens, done, None)
+
+    def set_table(self, state: NaiveState, table: np.ndarray) -> NaiveState:
+        """No pages to follow: ``state`` unchanged."""
+        return state
+
+    def prefill(
+        self,
+        state: NaiveState,
+        chunks: Sequence[Chunk],
+        *,
+        bucket: int | None = None,
+        params: nnx.State | None = None,
+    ) -> tuple[NaiveState, Prefill]:
+        """The first step over whole prompts (chunks from 0 that are their prompt's last):
+        their first tokens. ``state`` is returned unchanged (nothing to write)."""
+        if any(c.start != 0 or not c.last for c in chunks):
+            raise ValueError("the cache-free baseline prefills whole prompts only")
+        prefix = self.initial_state(
+            [c.tokens for c in chunks], [c.sampling for c in chunks], [c.generated for c in chunks]
+        )
+        prefix, tokens, done = self._prefill(self.engine.params, prefix)
+        return state, Prefill(prefix, tokens, done, None, tuple(True for _ in chunks))
+
+    def insert(self, prefix: Prefill, state: NaiveState, slots: Sequence[int]) -> NaiveState:
+        """Row ``i`` of the prefix into slot ``slots[i]`` (``-1`` skips it); ``state`` donated."""
+        if len(slots) != len(prefix.last):
+            raise ValueError(f"{len(slots)} slots for a prefill of {len(prefix.last)} chunks")
+        return self._insert(prefix.state, state, put(np.asarray(slots, np.int32)))
 
     def generate(self, state: NaiveState, k: int | None = None) -> tuple[NaiveState, Array, Array]:
         """Up to ``k`` cache-free steps in one jitted loop (``state`` donated)."""

@@ -1,16 +1,22 @@
 """Offline generation: a batch of requests run to completion, or streamed chunk by chunk.
 
-Written against the engine's public verbs only (``prefill`` then ``generate`` in chunks),
-so the cache-free baseline runs through the very same code::
+Written against the engine's public verbs only (``init_decode_state``, ``prefill``,
+``insert``, then ``generate`` in chunks), so the cache-free baseline runs through the very
+same code::
 
-    gen = generate(engine, requests)                      # KV-cached
+    gen = generate(engine, requests)                      # KV-cached, paged
     gen = generate(engine, requests, kv_cache=False)      # NaiveEngine: full prefix per step
     for new in (s := stream(engine, requests, chunk_tokens=8)): ...
 
-The batch is prefilled at once (ragged, right-padded to one bucket) and decoded in jitted
-chunks of up to ``chunk_tokens`` steps; :func:`generate` uses one chunk of ``max_len`` steps,
-so it makes exactly two host round trips. Timings exclude compilation, which is reported
-on its own (``compile_s``).
+The batch gets a decode state of its own, one row per request, over a pool of
+``len(requests) * max_pages`` pages (the contiguous cache's memory, so every batch of
+checked requests fits, and the pool's shape, hence the compiled programs, depend on the
+batch size only). A :class:`~jaxlab.infer.pages.PagePool` without prefix caching lends
+each request the pages for its prompt and its whole budget up front, so the table never
+grows and no request waits. The batch is prefilled at once (ragged, right-padded to one
+bucket) and decoded in jitted chunks of up to ``chunk_tokens`` steps; :func:`generate`
+uses one chunk of ``max_len`` steps, so it makes exactly two host round trips. Timings
+exclude compilation, which is reported on its own (``compile_s``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from jaxlab.infer.chunks import Chunk
 from jaxlab.infer.engine import Engine
 from jaxlab.infer.naive import NaiveEngine
+from jaxlab.infer.pages import PagePool, default_num_pages
 from jaxlab.infer.request import BadRequest, Request
 from jaxlab.infer.steps import NO_TOKEN
 from jaxlab.tokenizer import Tokenizer
@@ -137,13 +145,27 @@ class Stream:
             new.append(fresh)
         return new
 
+    def _chunks(self) -> tuple[int, list[Chunk]]:
+        """The batch's pool size, and each request as one whole-prompt chunk over the pages
+        a fresh pool lends it for its prompt and its budget."""
+        eng = self.engine
+        n = len(self.requests)
+        num_pages = default_num_pages(n, eng.max_len, eng.page_size)
+        pool = PagePool(num_pages, eng.page_size)
+        chunks = []
+        for i, r in enumerate(self.requests):
+            got = pool.admit(i, r.prompt_ids, reserve=r.sampling.max_new_tokens)
+            assert got is not None, "a checked request fits max_len, so its max_pages"
+            chunks.append(Chunk(r.prompt_ids, 0, got.pages, r.sampling))
+        return num_pages, chunks
+
     def _run(self) -> Iterator[list[list[int]]]:
         eng, dev = self.engine, self.device
         compiled_before = eng.compile_seconds
         t0 = time.perf_counter()
-        pre = dev.prefill(
-            [r.prompt_ids for r in self.requests], [r.sampling for r in self.requests]
-        )
+        num_pages, chunks = self._chunks()
+        state: Any = dev.init_decode_state(len(chunks), num_pages)  # or the baseline's
+        state, pre = dev.prefill(state, chunks)
         first, done = jax.device_get((pre.tokens, pre.done))
         t1 = time.perf_counter()
         compile_s = eng.compile_seconds - compiled_before
@@ -151,7 +173,7 @@ class Stream:
         ttft_s = t1 - self.t_call - compile_s
         yield self._take(np.asarray(first)[None, :], np.asarray(done))
 
-        state: Any = pre.state  # a DecodeState, or the baseline's NaiveState
+        state = dev.insert(pre, state, list(range(len(chunks))))
         decode_s = 0.0
         while not all(r.done for r in self.rows):
             c0 = eng.compile_seconds

@@ -1,22 +1,26 @@
-"""The decode state: the KV cache plus per-row bookkeeping, all device arrays.
+"""The decode state: the paged KV cache plus per-row bookkeeping, all device arrays.
 
 A :class:`DecodeState` with ``B`` rows ("slots") is what the jitted decode loop carries
 (and donates) from call to call. A prefix, what ``prefill`` returns, is the same structure
-with one row per prompt; ``insert`` copies its rows into slots of a batched state.
+with one row per chunk and no pools, only the chunks' page-table rows; ``insert`` copies
+its rows (table rows included) into slots of a batched state.
 
-The cache is the model's: one cache per layer, in the layout of the model's attention
-kernel (:mod:`jaxlab.kernels`). Slot ``s`` of a row holds the key/value of its token at
-position ``s``.
+The cache is a :class:`~jaxlab.kernels.paged.Pages`: one pool of pages per layer, in the
+layout of the model's paged kernel (:mod:`jaxlab.kernels`), and the page table
+``i32[B, max_pages]`` that every layer shares. Row ``b``'s token at position ``p`` lives in
+page ``table[b, p // page_size]``; which row holds which page is the host's decision
+(:class:`~jaxlab.infer.pages.PagePool`), and ``Engine.set_table`` brings it to the device.
 
 Per row ``b``:
 
 * ``tokens[b]``: the last sampled token, not yet in the cache; it sits at position
-  ``pos[b]`` and the next decode step writes its K/V to cache slot ``pos[b]``.
-* ``pos[b]``: prompt length + tokens fed back so far (the next cache write slot).
+  ``pos[b]`` and the next decode step writes its K/V there, through the table.
+* ``pos[b]``: tokens in the cache so far (prompt + tokens fed back): the next write.
 * ``generated[b]``: sampled tokens so far (prefill's first token counts), which is also the
   index ``t`` of the next token's key ``fold_in(PRNGKey(seed), t)``.
 * ``done[b]``: the row hit a stop token / EOS or its ``max_new_tokens`` budget; empty
-  slots are done. Done rows are carried through the batched step but never advance.
+  slots are done. Done rows are carried through the batched step but never advance, and
+  write nothing: their pages may belong to another row by now.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ import jax
 from flax import struct
 
 from jaxlab.infer.sampling import SamplingArrays
-from jaxlab.model import Cache
+from jaxlab.kernels.paged import Pages
 
 Array = jax.Array
 
 
 @struct.dataclass
 class DecodeState:
-    cache: Cache
+    cache: Pages
     tokens: Array  # i32[slots]
     pos: Array  # i32[slots]
     generated: Array  # i32[slots]
@@ -43,6 +47,11 @@ class DecodeState:
     @property
     def slots(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def table(self) -> Array:
+        """The page table ``i32[slots, max_pages]``."""
+        return self.cache.table
 
 
 __all__ = ["DecodeState"]

@@ -3,16 +3,17 @@
 Each ``make_*`` closes over the static pieces (the model's ``graphdef``, the cache
 capacity, the loop bound ``k``) and returns a function of array pytrees only, ready for
 :class:`jaxlab.runtime.compiled.ShapeKeyedJit`. Nothing here touches the host. The model
-does the forward passes (:meth:`~jaxlab.model.Transformer.prefill` and
-:meth:`~jaxlab.model.Transformer.decode`); these functions add sampling and the per-row
-bookkeeping of :class:`~jaxlab.infer.state.DecodeState`.
+does the forward passes over the paged cache (:meth:`~jaxlab.model.Transformer.prefill_pages`,
+:meth:`~jaxlab.model.Transformer.extend` and :meth:`~jaxlab.model.Transformer.decode`);
+these functions add sampling and the per-row bookkeeping of
+:class:`~jaxlab.infer.state.DecodeState`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 import jax
@@ -21,7 +22,7 @@ from flax import nnx
 
 from jaxlab.infer.sampling import SamplingArrays, hits_stop, sample
 from jaxlab.infer.state import DecodeState
-from jaxlab.kernels import AttentionKernel
+from jaxlab.kernels.paged import PagedCache, Pages
 from jaxlab.kernels.rows import Rows, row_buckets
 
 Array = jax.Array
@@ -77,38 +78,59 @@ def advance_rows(
 
 # --------------------------------------------------------------------------- prefill
 
+PrefillFn = Callable[
+    [Weights, tuple[PagedCache, ...], Array, Array, Array, Array, Array, SamplingArrays],
+    tuple[tuple[PagedCache, ...], DecodeState],
+]
 
-def make_prefill(
-    graphdef: nnx.GraphDef, max_len: int
-) -> Callable[[Weights, Array, Array, SamplingArrays], DecodeState]:
-    """``prefill(weights, tokens i32[B, T], lengths i32[B], sampling) -> DecodeState``.
 
-    ``tokens`` are right-padded to the bucket length ``T``; row ``b`` is real up to
-    ``lengths[b]``. The model's sequence forward runs over the ``T`` tokens only (no cache
-    is read) and hands back their K/V as the first ``T`` of ``max_len`` cache slots; the
-    head runs at each row's last real position only, and samples the first token (t = 0).
+def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> PrefillFn:
+    """``prefill(weights, pools, tokens i32[R, T], starts i32[R], lengths i32[R], table
+    i32[R, max_pages], generated i32[R], sampling) -> (pools, prefix)``.
+
+    Row ``r`` holds a chunk's tokens at positions ``starts[r] ..``, right-padded to the
+    bucket length ``T``, real up to ``lengths[r]``; ``table[r]`` is its sequence's pages.
+    Their K/V are written into the pools through the table (padding tokens land in the
+    sequence's own future positions, or nowhere, as in a contiguous cache; a row without
+    pages writes nothing). ``from_start`` (every chunk starts at 0): the model's sequence
+    forward, attention over the chunk alone, exactly what a whole prompt costs without a
+    cache; otherwise :meth:`~jaxlab.model.Transformer.extend` over the pages, which also
+    reads the positions before each chunk. The head runs at each row's last real position
+    only, and samples with key index ``generated[r]``. The prefix is a decode state of
+    ``R`` rows with no pools, holding ``table``.
     """
 
     def prefill(
-        weights: Weights, tokens: Array, lengths: Array, sampling: SamplingArrays
-    ) -> DecodeState:
+        weights: Weights,
+        pools: tuple[PagedCache, ...],
+        tokens: Array,
+        starts: Array,
+        lengths: Array,
+        table: Array,
+        generated: Array,
+        sampling: SamplingArrays,
+    ) -> tuple[tuple[PagedCache, ...], DecodeState]:
         b, t = tokens.shape
         model = nnx.merge(graphdef, weights.params)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        h, cache = model.prefill(tokens, positions, max_len)
+        offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if from_start:
+            h, cache = model.prefill_pages(tokens, offsets, Pages(pools, table))
+        else:
+            h, cache = model.extend(tokens, starts[:, None] + offsets, Pages(pools, table))
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        zeros = jnp.zeros((b,), jnp.int32)
-        tok = sample(model.logits(last, weights.head), sampling, zeros)
-        generated, done = advance_rows(tok, jnp.ones((b,), jnp.bool_), zeros, zeros > 0, sampling)
-        return DecodeState(
-            cache=cache,
+        tok = sample(model.logits(last, weights.head), sampling, generated)
+        every = jnp.ones((b,), jnp.bool_)
+        generated, done = advance_rows(tok, every, generated, ~every, sampling)
+        prefix = DecodeState(
+            cache=Pages((), table),
             tokens=tok,
-            pos=lengths.astype(jnp.int32),
+            pos=starts + lengths,
             generated=generated,
             done=done,
             sampling=sampling,
             max_len=max_len,
         )
+        return cache.pools, prefix
 
     return prefill
 
@@ -121,18 +143,21 @@ def decode_step(
 ) -> tuple[DecodeState, Array, Array]:
     """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
 
-    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V to cache slot ``pos``) and samples
-    the next token with key index ``st.generated``. With ``buckets``
+    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V through the row's page table) and
+    samples the next token with key index ``st.generated``. With ``buckets``
     (:mod:`jaxlab.kernels.rows`) only the leading rows up to the last active one are
     computed, rounded up to a bucket; rows past them get zero logits. Done rows inside that
-    range compute but do not advance (their position is clamped into the cache). Every
-    done row's ``emitted`` is :data:`NO_TOKEN`.
+    range compute but do not advance, and see a table without pages for this step, so
+    they write nothing: their pages may have gone to another row. Every done row's
+    ``emitted`` is :data:`NO_TOKEN`.
     """
     model = nnx.merge(graphdef, weights.params)
     active = ~st.done
     rows = Rows.up_to_last(active, row_buckets(st.slots) if buckets else (st.slots,))
     pos = jnp.minimum(st.pos, st.max_len - 1)
-    h, cache = model.decode(st.tokens, pos, st.cache, rows=rows)
+    pools, table = st.cache.pools, st.cache.table
+    writable = jnp.where(active[:, None], table, st.cache.num_pages)  # done rows: NO_PAGE
+    h, cache = model.decode(st.tokens, pos, Pages(pools, writable), rows=rows)
 
     def head(r: int, h: Array, sp: SamplingArrays, generated: Array) -> tuple[Array, Array]:
         logits = model.logits(h[:r], weights.head)
@@ -142,7 +167,7 @@ def decode_step(
     generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
     new = dataclasses.replace(
         st,
-        cache=cache,
+        cache=Pages(cache.pools, table),
         tokens=jnp.where(active, tok, st.tokens),
         pos=jnp.where(active, st.pos + 1, st.pos),
         generated=generated,
@@ -193,14 +218,13 @@ def make_generate(
 # ---------------------------------------------------------------------------- insert
 
 
-def make_insert(
-    kernels: Sequence[AttentionKernel],
-) -> Callable[[DecodeState, DecodeState, Array], DecodeState]:
+def make_insert() -> Callable[[DecodeState, DecodeState, Array], DecodeState]:
     """``insert(prefix, state, slots i32[R]) -> state``: row ``i`` of the ``R``-row
-    ``prefix`` into slot ``slots[i]``; a negative entry skips its row (a padding row, or a
-    request that finished in prefill). ``kernels`` are the model's, one per layer: each
-    copies its own cache layout. A scatter per field with ``mode="drop"``, so no row but the
-    chosen ones changes; in place when ``state`` is donated. Slots must be distinct."""
+    ``prefix`` into slot ``slots[i]``, its page-table row included; a negative entry skips
+    its row (a padding row, a chunk that is not its prompt's last, or a request that
+    finished in prefill). The pools are not touched: prefill already wrote the K/V into
+    the pages. A scatter per field with ``mode="drop"``, so no row but the chosen ones
+    changes; in place when ``state`` is donated. Slots must be distinct."""
 
     def insert(prefix: DecodeState, state: DecodeState, slots: Array) -> DecodeState:
         idx = jnp.where(slots >= 0, slots, state.slots)  # out of range -> dropped
@@ -211,17 +235,15 @@ def make_insert(
         fields = jax.tree.map(
             put, dataclasses.replace(state, cache=()), dataclasses.replace(prefix, cache=())
         )
-        cache = tuple(
-            kernel.insert(big, rows, slots)
-            for kernel, big, rows in zip(kernels, state.cache, prefix.cache, strict=True)
-        )
-        return dataclasses.replace(fields, cache=cache)
+        table = put(state.cache.table, prefix.cache.table)
+        return dataclasses.replace(fields, cache=Pages(state.cache.pools, table))
 
     return insert
 
 
 __all__ = [
     "NO_TOKEN",
+    "PrefillFn",
     "Weights",
     "advance_rows",
     "decode_loop",

@@ -2,8 +2,8 @@
 
 Every kernel implements :class:`~jaxlab.kernels.base.AttentionKernel`: sequence attention
 (training, prefill) plus the layout of the decode cache it reads. The model picks one by
-name (``model.attention_impl``) and calls nothing else, so a new kernel (a Pallas one, a
-paged cache) is a new module here, not a change to the model.
+name (``model.attention_impl``) and calls nothing else, so a new kernel (a Pallas one) is
+a new module here, not a change to the model.
 
 =============  ==========================================================================
 ``reference``  the textbook math over a contiguous ``[B, S, K, D]`` cache: the spec that
@@ -16,6 +16,19 @@ paged cache) is a new module here, not a change to the model.
                read by one-hot-segmented dots, so no TPU tile is padded (default on TPU)
 =============  ==========================================================================
 
+A paged cache (:mod:`~jaxlab.kernels.paged`: a pool of pages per layer, a page table per
+row) has kernels of its own, :class:`~jaxlab.kernels.base.PagedKernel`; each contiguous
+kernel names its paged counterpart (:data:`PAGED_FOR`), so ``model.attention_impl`` still
+picks one thing:
+
+===================  ====================================================================
+``paged_reference``  every table page gathered into a contiguous cache, then the
+                     reference's math: the spec (the paged form of ``reference``)
+``paged_xla``        only the visible pages (a ``lax.switch`` over page counts), gathered
+                     as whole rows of a kv-head-major pool into grouped dots (the paged
+                     form of ``xla``, ``xla_cpu`` and ``xla_tpu``)
+===================  ====================================================================
+
 ``auto`` is resolved once, when the model is built, from the JAX backend
 (:func:`resolve`). Beside the kernels: :mod:`~jaxlab.kernels.masks` (who sees whom),
 :mod:`~jaxlab.kernels.reduce` (last-axis reductions, two-stage on XLA:CPU) and
@@ -24,7 +37,9 @@ paged cache) is a new module here, not a change to the model.
 
 from __future__ import annotations
 
-from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache
+from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache, PagedKernel
+from jaxlab.kernels.paged import PagedReference
+from jaxlab.kernels.paged_xla import PagedXla
 from jaxlab.kernels.reference import Reference
 from jaxlab.kernels.xla import Xla
 from jaxlab.kernels.xla_cpu import XlaCpu
@@ -32,6 +47,15 @@ from jaxlab.kernels.xla_tpu import XlaTpu
 
 #: Every kernel, by the name ``model.attention_impl`` uses.
 KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (Reference(), Xla(), XlaCpu(), XlaTpu())}
+
+#: Every paged kernel, by name.
+PAGED_KERNELS: dict[str, PagedKernel] = {k.name: k for k in (PagedReference(), PagedXla())}
+
+#: The paged counterpart of each contiguous kernel: the spec pairs with the spec, every
+#: fast kernel with the fast paged one.
+PAGED_FOR: dict[str, str] = {
+    name: "paged_reference" if name == "reference" else "paged_xla" for name in KERNELS
+}
 
 #: What ``auto`` means on each JAX platform; any other platform gets ``xla``.
 AUTO = {"cpu": "xla_cpu", "tpu": "xla_tpu"}
@@ -59,13 +83,22 @@ def get(name: str) -> AttentionKernel:
     return KERNELS[resolve(name)]
 
 
+def get_paged(name: str) -> PagedKernel:
+    """The paged counterpart of the kernel called ``name`` (``auto`` resolved)."""
+    return PAGED_KERNELS[PAGED_FOR[resolve(name)]]
+
+
 __all__ = [
     "ALIASES",
     "AUTO",
     "KERNELS",
     "NO_SLOT",
+    "PAGED_FOR",
+    "PAGED_KERNELS",
     "AttentionKernel",
     "LayerCache",
+    "PagedKernel",
     "get",
+    "get_paged",
     "resolve",
 ]

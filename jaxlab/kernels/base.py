@@ -18,6 +18,12 @@ Cache contract: a layer's cache is a pytree in the kernel's own layout (one per 
 Slot ``s`` of row ``b`` holds the (RoPE-rotated) key/value of the token at position ``s``;
 a query at position ``p`` sees slots ``<= p`` (:func:`jaxlab.kernels.masks.cache_mask`).
 Writes to slots ``>= S`` are dropped, which is how a caller skips a row.
+
+A paged cache (:mod:`jaxlab.kernels.paged`) keeps the same contract through a page table:
+position ``p`` of row ``b`` lives in page ``table[b, p // page_size]``. Its kernels
+implement :class:`PagedKernel`, the cached half of this interface over a
+:class:`~jaxlab.kernels.paged.PagedLayer`; each contiguous kernel names its paged
+counterpart (:data:`jaxlab.kernels.PAGED_FOR`).
 """
 
 from __future__ import annotations
@@ -81,4 +87,34 @@ class AttentionKernel(Protocol):
         ...
 
 
-__all__ = ["NO_SLOT", "AttentionKernel", "LayerCache"]
+class PagedKernel(Protocol):
+    """Attention over a paged cache: the cache methods of :class:`AttentionKernel`, with a
+    :class:`~jaxlab.kernels.paged.PagedLayer` (one layer's pool + the page table) for the
+    cache. Positions without a page are dropped on write and invisible on read."""
+
+    name: str
+
+    def init_pool(
+        self, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int, dtype: DTypeLike
+    ) -> Any:
+        """An all-zero pool of ``num_pages`` pages (traceable)."""
+        ...
+
+    def write(self, cache: Any, k: Array, v: Array, start: Array) -> Any:
+        """``k, v [B, T, K, D]`` at positions ``start[b] ..`` through each row's table."""
+        ...
+
+    def attend_cache(self, q: Array, cache: Any, positions: Array) -> Array:
+        """``q [B, T, H, D]`` at ``positions [B, T]`` over each row's pages."""
+        ...
+
+    def take_rows(self, cache: Any, r: int) -> Any:
+        """The view of the leading ``r`` rows (their table rows; the pool is shared)."""
+        ...
+
+    def to_bskd(self, cache: Any) -> tuple[Array, Array]:
+        """Every row's table pages as contiguous ``[B, max_pages * page_size, K, D]``."""
+        ...
+
+
+__all__ = ["NO_SLOT", "AttentionKernel", "LayerCache", "PagedKernel"]

@@ -6,6 +6,8 @@ Stateful use (tests, notebooks)::
     logits = model(tokens, positions)                        # f32 [B, T, vocab]
     h, cache = model.prefill(tokens, positions, max_len=64)  # + every layer's K/V as a cache
     h, cache = model.decode(next_tokens, pos, cache)         # one token per row
+    pages = model.init_pages(rows=2, num_pages=8, page_size=16, max_len=64)
+    h, pages = model.extend(tokens, positions, pages)        # the same, through page tables
     logits = model.logits(h)
 
 Pure functional use (trainers, the inference engine): split once, jit a function of arrays::
@@ -28,10 +30,19 @@ See ``docs/model.md`` for the architecture, precision policy, cache layout and m
 from jaxlab.model.attention import Attention, apply_rope, rope_tables
 from jaxlab.model.flops import flops_per_token, matmul_param_count, param_count
 from jaxlab.model.layers import MLP, Embedding, RMSNorm, dense, dropout
-from jaxlab.model.transformer import Block, Cache, Transformer, apply, make_model, split_model
+from jaxlab.model.transformer import (
+    AnyCache,
+    Block,
+    Cache,
+    Transformer,
+    apply,
+    make_model,
+    split_model,
+)
 
 __all__ = [
     "MLP",
+    "AnyCache",
     "Attention",
     "Block",
     "Cache",

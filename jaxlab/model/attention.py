@@ -2,7 +2,9 @@
 
 This module owns what attention does *around* the kernel: the fused QKV projection, RoPE,
 and the output projection. The attention math itself (and the decode cache's layout) is the
-kernel's, chosen by name (:mod:`jaxlab.kernels`); it is never restated here.
+kernel's, chosen by name (:mod:`jaxlab.kernels`); it is never restated here. A paged cache
+is read by the kernel's paged counterpart (:data:`jaxlab.kernels.PAGED_FOR`), picked by the
+type of the cache it is handed.
 
 Shapes: ``B`` batch, ``T`` new tokens, ``H`` query heads, ``K`` kv heads, ``D`` head_dim.
 """
@@ -15,7 +17,8 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jaxlab import kernels
-from jaxlab.kernels import AttentionKernel, LayerCache
+from jaxlab.kernels import AttentionKernel, LayerCache, PagedKernel
+from jaxlab.kernels.paged import PagedCache, PagedLayer
 from jaxlab.model.layers import INIT_STD, dense, normal_init, residual_std
 
 Array = jax.Array
@@ -94,6 +97,14 @@ class Attention(nnx.Module):
     def kernel(self) -> AttentionKernel:
         return kernels.KERNELS[self.kernel_name]
 
+    @property
+    def paged_kernel(self) -> PagedKernel:
+        return kernels.PAGED_KERNELS[kernels.PAGED_FOR[self.kernel_name]]
+
+    def kernel_for(self, cache: LayerCache) -> AttentionKernel | PagedKernel:
+        """The kernel that reads ``cache``: the paged one for a :class:`PagedLayer`."""
+        return self.paged_kernel if isinstance(cache, PagedLayer) else self.kernel
+
     def project(self, x: Array, rope: Rope | None) -> tuple[Array, Array, Array]:
         """``x [B, T, d_model]`` -> ``q [B, T, H, D]``, ``k, v [B, T, K, D]``, RoPE applied
         (keys are cached already rotated)."""
@@ -129,11 +140,17 @@ class Attention(nnx.Module):
         return self.output(self.kernel.attend(q, k, v, segment_ids)), (k, v)
 
     def attend_cache(self, q: Array, cache: LayerCache, positions: Array) -> Array:
-        """Queries over a cache that already holds their own keys -> f32 ``[B, T, d]``."""
-        return self.output(self.kernel.attend_cache(q, cache, positions))
+        """Queries over a cache (contiguous, or a paged layer) that already holds their own
+        keys -> f32 ``[B, T, d]``."""
+        return self.output(self.kernel_for(cache).attend_cache(q, cache, positions))
 
     def init_cache(self, batch: int, max_len: int, dtype: DTypeLike) -> LayerCache:
         return self.kernel.init_cache(batch, max_len, self.n_kv_heads, self.head_dim, dtype)
+
+    def init_pool(self, num_pages: int, page_size: int, dtype: DTypeLike) -> PagedCache:
+        return self.paged_kernel.init_pool(
+            num_pages, page_size, self.n_kv_heads, self.head_dim, dtype
+        )
 
 
 __all__ = ["Attention", "Rope", "apply_rope", "rope_tables"]

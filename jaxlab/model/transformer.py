@@ -21,13 +21,19 @@ Entry points, all on :class:`Transformer`:
   row against a cache: their K/V are written at slot = position, then they attend to the
   cache slots at or before their position.
 
+Both cached entry points take either cache: a contiguous one (a tuple of per-layer caches,
+:meth:`~Transformer.init_cache`) or a paged one (:class:`~jaxlab.kernels.paged.Pages`: a
+pool of pages per layer and one page table, :meth:`~Transformer.init_pages`), where
+"slot = position" goes through the table. :meth:`~Transformer.prefill_pages` is prefill's
+sequence forward writing into pages.
+
 The attention math and the cache layout belong to the kernel (``model.attention_impl``,
-:mod:`jaxlab.kernels`); nothing here depends on which one runs.
+:mod:`jaxlab.kernels`, and its paged counterpart); nothing here depends on which one runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +42,7 @@ from jax.typing import DTypeLike
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
 from jaxlab.kernels import NO_SLOT, LayerCache
+from jaxlab.kernels.paged import Pages, max_pages_for, no_pages
 from jaxlab.kernels.rows import Rows
 from jaxlab.model.attention import Attention, Rope, rope_tables
 from jaxlab.model.layers import (
@@ -49,8 +56,12 @@ from jaxlab.model.layers import (
 )
 
 Array = jax.Array
-#: A decode cache: one kernel-layout cache per layer.
+#: A contiguous decode cache: one kernel-layout cache per layer.
 Cache = tuple[LayerCache, ...]
+#: Either decode cache the cached mode takes.
+AnyCache = Cache | Pages
+#: The cache type a cached call was given, and returns.
+C = TypeVar("C", Cache, Pages)
 
 
 class Block(nnx.Module):
@@ -106,21 +117,23 @@ class Block(nnx.Module):
 
         Only ``rows``' leading rows are computed, in two steps around the cache write, so the
         write stays outside the row switch and updates the donated cache in place; rows not
-        computed write nothing and come out as zeros.
+        computed write nothing and come out as zeros. ``cache`` is one layer's contiguous
+        cache or a :class:`~jaxlab.kernels.paged.PagedLayer`; its kernel does the rest.
         """
         attn = self.attn
+        kernel = attn.kernel_for(cache)
 
         def project(r: int, x: Array, rope: Rope | None) -> tuple[Array, Array, Array]:
             rope_r = None if rope is None else (rope[0][:r], rope[1][:r])
             return attn.project(self.attn_norm(x[:r]), rope_r)
 
         def attend_mlp(r: int, x: Array, q: Array, c: LayerCache, pos: Array) -> tuple[Array]:
-            y = x[:r] + attn.attend_cache(q[:r], attn.kernel.take_rows(c, r), pos[:r])
+            y = x[:r] + attn.attend_cache(q[:r], kernel.take_rows(c, r), pos[:r])
             return (y + self.mlp(self.mlp_norm(y)),)
 
         q, k, v = rows.run(project, x, rope)
         start = jnp.where(rows.computed(), positions[:, 0], NO_SLOT)
-        cache = attn.kernel.write(cache, k, v, start)
+        cache = kernel.write(cache, k, v, start)
         (x,) = rows.run(attend_mlp, x, q, cache, positions)
         return x, cache
 
@@ -237,6 +250,22 @@ class Transformer(nnx.Module):
         dtype = self.compute_dtype if dtype is None else dtype
         return tuple(b.attn.init_cache(batch, max_len, dtype) for b in self.blocks)
 
+    def init_pages(
+        self,
+        rows: int,
+        num_pages: int,
+        page_size: int,
+        max_len: int,
+        dtype: DTypeLike | None = None,
+    ) -> Pages:
+        """A paged cache: an all-zero pool of ``num_pages`` pages of ``page_size`` tokens per
+        layer (in the paged kernel's layout, stored in ``dtype``, default the compute
+        dtype), and a table of ``rows`` rows ``ceil(max_len / page_size)`` wide holding no
+        page yet (every entry ``NO_PAGE = num_pages``)."""
+        dtype = self.compute_dtype if dtype is None else dtype
+        pools = tuple(b.attn.init_pool(num_pages, page_size, dtype) for b in self.blocks)
+        return Pages(pools, no_pages(rows, max_pages_for(max_len, page_size), num_pages))
+
     # ------------------------------------------------------------------ sequence mode
 
     def _sequence(
@@ -313,32 +342,58 @@ class Transformer(nnx.Module):
         )
         return h, cache
 
+    def prefill_pages(self, tokens: Array, positions: Array, cache: Pages) -> tuple[Array, Pages]:
+        """:meth:`prefill` into a paged cache: the sequence forward over right-padded prompts
+        that start at position 0 (``positions[b, t] == t``), its K/V written through
+        ``cache.table`` (row ``b`` of the table is prompt ``b``'s pages; positions without
+        a page are dropped). Returns the hidden states and the cache with its pools
+        updated (in place when donated)."""
+        self._check_depth(cache)
+        h, kvs = self._sequence(tokens, positions, None, None)
+        start = jnp.zeros((tokens.shape[0],), jnp.int32)
+        pools = tuple(
+            block.attn.paged_kernel.write(cache.layer(i), k, v, start).pool
+            for i, (block, (k, v)) in enumerate(zip(self.blocks, kvs, strict=True))
+        )
+        return h, Pages(pools, cache.table)
+
     # ------------------------------------------------------------------ cached mode
 
+    def _check_depth(self, cache: AnyCache) -> None:
+        depth = len(cache.pools) if isinstance(cache, Pages) else len(cache)
+        if depth != len(self.blocks):
+            raise ValueError(f"cache has {depth} layers, model has {len(self.blocks)}")
+
     def extend(
-        self, tokens: Array, positions: Array, cache: Cache, *, rows: Rows | None = None
-    ) -> tuple[Array, Cache]:
+        self, tokens: Array, positions: Array, cache: C, *, rows: Rows | None = None
+    ) -> tuple[Array, C]:
         """``T`` new tokens per row against ``cache``: ``(f32[B, T, d_model], new cache)``.
 
         ``positions [B, T]`` are consecutive per row; token ``(b, t)`` is written to slot
-        ``positions[b, t]`` and attends to slots ``<= positions[b, t]`` (its own included).
+        ``positions[b, t]`` and attends to slots ``<= positions[b, t]`` (its own included);
+        with a paged cache, "slot" means the position's place in the row's pages.
         ``rows`` (:class:`~jaxlab.kernels.rows.Rows`) limits the work to leading rows; the
         others write nothing and come out as zeros. Jit with the cache donated so the
         writes happen in place.
         """
-        if len(cache) != len(self.blocks):
-            raise ValueError(f"cache has {len(cache)} layers, model has {len(self.blocks)}")
+        self._check_depth(cache)
         rows = rows or Rows.all(tokens.shape[0])
         x, rope = self.embed_inputs(tokens, positions)
+        if isinstance(cache, Pages):
+            layers: list[LayerCache] = [cache.layer(i) for i in range(len(self.blocks))]
+        else:
+            layers = list(cache)
         new = []
-        for block, layer in zip(self.blocks, cache, strict=True):
+        for block, layer in zip(self.blocks, layers, strict=True):
             x, layer = block.cached(x, rope, layer, positions, rows)
             new.append(layer)
+        if isinstance(cache, Pages):
+            return self.final_norm(x), Pages(tuple(layer.pool for layer in new), cache.table)
         return self.final_norm(x), tuple(new)
 
     def decode(
-        self, tokens: Array, pos: Array, cache: Cache, *, rows: Rows | None = None
-    ) -> tuple[Array, Cache]:
+        self, tokens: Array, pos: Array, cache: C, *, rows: Rows | None = None
+    ) -> tuple[Array, C]:
         """One new token per row (``tokens, pos: int32[B]``): :meth:`extend` with ``T = 1``.
 
         Returns final-normed ``f32[B, d_model]``; :meth:`logits` gives the next-token
@@ -380,4 +435,4 @@ def apply(
     return nnx.merge(graphdef, params)(tokens, positions, **kwargs)
 
 
-__all__ = ["Block", "Cache", "Transformer", "apply", "make_model", "split_model"]
+__all__ = ["AnyCache", "Block", "Cache", "Transformer", "apply", "make_model", "split_model"]

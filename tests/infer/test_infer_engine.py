@@ -1,8 +1,9 @@
 """The engine: cached == full-prefix decode, ragged batches, buckets, compiles, slots.
 
-Compiles dominate the cost of these tests, so every test draws on a few engines cached at
-module level with fixed shapes (batch, bucket, max_len): hypothesis examples vary prompt
-contents, lengths, budgets and model weights without recompiling.
+The engines come from ``tiny_engines`` (cached per process, fixed shapes): hypothesis
+examples vary prompt contents, lengths, budgets and model weights without recompiling.
+The paged cache's own properties (chunks, prefixes, recompute, freed pages) are in
+``test_paged_engine.py``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,23 @@ import functools
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tiny_engines import (
+    VOCAB,
+    Host,
+    greedy,
+    main_engine,
+    make_engine,
+    numpy_params,
+    prefilled,
+    req,
+    tiny_cfg,
+    variant_engine,
+)
 
-from jaxlab.config import DataConfig, InferenceConfig, JaxlabConfig, ModelConfig, TokenizerConfig
 from jaxlab.infer import (
+    Chunk,
     Engine,
     Request,
     RequestTooLong,
@@ -28,71 +40,10 @@ from jaxlab.infer import (
     naive_step,
     stream,
 )
-from jaxlab.kernels import KERNELS
+from jaxlab.kernels import PAGED_KERNELS
 from jaxlab.kernels.rows import row_buckets
-from jaxlab.model import make_model, split_model
 
-VOCAB = 258
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
-
-
-def tiny_cfg(
-    n_kv_heads: int, max_len: int, buckets: list[int], n_layers: int = 2, **model: object
-) -> JaxlabConfig:
-    return JaxlabConfig(
-        model=ModelConfig(
-            vocab_size=VOCAB,
-            n_layers=n_layers,
-            d_model=32,
-            n_heads=4,
-            n_kv_heads=n_kv_heads,
-            d_mlp=64,
-            max_seq_len=max_len,
-            **model,  # type: ignore[arg-type]
-        ),
-        tokenizer=TokenizerConfig(kind="byte"),
-        data=DataConfig(seq_len=min(64, max_len)),
-        inference=InferenceConfig(max_len=max_len, prefill_buckets=buckets),
-    )
-
-
-def numpy_params(cfg: JaxlabConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-    """A random model without a single compile: eager init would compile every op shape."""
-    graphdef, abstract = split_model(
-        nnx.eval_shape(lambda: make_model(cfg.model, cfg.train.precision, 0))
-    )
-    rng = np.random.default_rng(seed)
-
-    def leaf(path: tuple, a: jax.ShapeDtypeStruct) -> jax.Array:
-        if "scale" in jax.tree_util.keystr(path):  # RMSNorm gains near 1
-            x = 1.0 + 0.1 * rng.standard_normal(a.shape)
-        else:
-            x = 0.08 * rng.standard_normal(a.shape)
-        return jax.device_put(x.astype(a.dtype))
-
-    return graphdef, jax.tree_util.tree_map_with_path(leaf, abstract)
-
-
-def make_engine(cfg: JaxlabConfig, seed: int = 0) -> Engine:
-    graphdef, params = numpy_params(cfg, seed)
-    return Engine(graphdef, params, cfg)
-
-
-@functools.cache
-def main_engine() -> Engine:
-    """GQA (2 kv heads for 4 query heads), 2 layers; the engine most tests share."""
-    return make_engine(tiny_cfg(2, 256, [8, 16, 32, 64, 256]))
-
-
-@functools.cache
-def variant_engine(n_kv_heads: int) -> Engine:
-    if n_kv_heads == 2:
-        return main_engine()
-    if n_kv_heads == 1:  # MQA, GPT-2-like variant: learned positions, tied head, GELU
-        cfg = tiny_cfg(1, 32, [16, 32], 1, positions="learned", tie_embeddings=True, mlp="gelu")
-    else:  # MHA
-        cfg = tiny_cfg(n_kv_heads, 32, [16, 32], 1)
-    return make_engine(cfg)
 
 
 @functools.cache
@@ -107,14 +58,6 @@ def lockstep(n_kv_heads: int):
         )
 
     return jax.jit(both)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, ignore_eos=True)
-
-
-def req(prompt: list[int], sampling: SamplingParams, eng: Engine | None = None) -> Request:
-    return Request.create(prompt, sampling, (eng or main_engine()).limits())
 
 
 def prompts_of(n_rows: int, max_size: int = 14):
@@ -139,11 +82,11 @@ def test_cached_decode_equals_full_prefix_decode(n_kv_heads, prompts, seed):
     weights = eng.weights(params)  # the tied variant's head: a transposed copy, as served
     step = lockstep(n_kv_heads)
     sp = [greedy(9)] * len(prompts)
-    pre = eng.prefill(prompts, sp, params=params, bucket=16)
+    state, first, _ = prefilled(eng, prompts, sp, params=params, bucket=16, seed=seed)
     naive = eng.naive().initial_state(prompts, sp)
     # The cached state is one token ahead (prefill sampled t = 0), so the naive step i is
     # compared with the cached step i - 1, and naive step 0 with prefill's token.
-    state, ahead_logits, ahead_tokens = pre.state, None, np.asarray(pre.tokens)
+    ahead_logits, ahead_tokens = None, first
     for i in range(7):
         (state, lc, ec), (naive, ln, en) = step(weights, state, naive)
         if ahead_logits is not None:
@@ -224,11 +167,10 @@ def test_bucketing_never_changes_outputs(prompt):
     eng = main_engine()
     outs = []
     for bucket in (8, 64):
-        pre = eng.prefill([prompt], [greedy(10)], bucket=bucket)
-        first = int(pre.tokens[0])
-        _, toks, done = eng.generate(pre.state, eng.max_len)  # offline generate's executable
+        state, first, _ = prefilled(eng, [prompt], [greedy(10)], bucket=bucket)
+        _, toks, done = eng.generate(state, eng.max_len)  # offline generate's executable
         assert bool(done[0])
-        outs.append([first] + [int(t) for t in np.asarray(toks)[:, 0] if t >= 0])
+        outs.append([int(first[0])] + [int(t) for t in np.asarray(toks)[:, 0] if t >= 0])
     assert outs[0] == outs[1] and len(outs[0]) == 10
 
 
@@ -241,18 +183,13 @@ def test_generate_compiles_once_and_prefill_once_per_bucket():
     eng = main_engine()
     gen = generate(eng, [req([1, 2, 3], greedy(200))])
     assert gen[0].generated_tokens == 200
+    before = eng.compiles["prefill"]
     used = {generate(eng, [req(list(range(n)), greedy(2))]).bucket for n in range(1, 40, 2)}
     assert used == {8, 16, 32, 64}
+    assert eng.compiles["prefill"] - before <= len(used) - 1  # bucket 8 ran already
 
-    def batch1(name: str) -> list[str]:
-        return [
-            t.signature for t in eng.compile_log if t.name == name and "int32[1]" in t.signature
-        ]
-
-    assert len(batch1("generate")) == 1  # (k = max_len, 1 slot): all 200 steps, all lengths
-    prefill = batch1("prefill")
-    buckets = sorted(int(s.split("int32[1, ")[1].split("]")[0]) for s in prefill)
-    assert buckets == sorted(set(buckets)) and set(used) <= set(buckets) <= set(eng.buckets)
+    batch1 = [t for t in eng.compile_log if t.name == "generate" and "bool[1]" in t.signature]
+    assert len(batch1) == 1  # (k = max_len, 1 slot): all 200 steps, all lengths
     assert gen.compiles["generate"] >= 1  # the counts travel with the results
 
 
@@ -270,7 +207,8 @@ def test_requests_that_cannot_fit_get_a_clear_error():
 
 def test_prefill_insert_generate_equals_offline_generate():
     """JetStream-style slots: prefill one request at a time, insert, decode in chunks;
-    a finished slot is refilled mid-flight. Every request matches offline generation."""
+    a finished slot is refilled mid-flight, its pages lent to the next request. Every
+    request matches offline generation."""
     eng = main_engine()
     reqs = [
         req([3, 1, 4, 1, 5], greedy(6)),
@@ -280,7 +218,8 @@ def test_prefill_insert_generate_equals_offline_generate():
     ]
     expected = [generate(eng, [r])[0].token_ids for r in reqs]
 
-    state = eng.init_decode_state(3)
+    host = Host(eng)
+    host.hold_all_but(3 * 2)  # 2 pages of 16 tokens per slot: every page is reused
     got: dict[int, list[int]] = {}
     slot_of: dict[int, int] = {}
     waiting = list(range(len(reqs)))
@@ -289,16 +228,15 @@ def test_prefill_insert_generate_equals_offline_generate():
     while waiting or slot_of:
         while waiting and free:
             i, slot = waiting.pop(0), free.pop(0)
-            pre = eng.prefill([reqs[i].prompt_ids], [reqs[i].sampling])
-            got[i] = [int(pre.tokens[0])]
-            state = eng.insert(pre.state, state, [slot])
+            got[i] = [host.start(slot, reqs[i])]
             slot_of[i] = slot
-        state, toks, done = eng.generate(state, 4)
-        toks, done = np.asarray(toks), np.asarray(done)
+        new: dict[int, list[int]] = {slot: [] for slot in range(3)}
+        done = host.step(new)
         for i, slot in list(slot_of.items()):
-            got[i] += [int(t) for t in toks[:, slot] if t >= 0]
+            got[i] += new[slot]
             if done[slot]:
                 del slot_of[i]
+                host.finish(slot)
                 free.append(slot)
     assert [got[i] for i in range(len(reqs))] == expected
     assert eng.compiles["insert"] - inserts <= 1  # one-row prefix into 3 slots: one shape
@@ -336,20 +274,24 @@ def test_idle_slots_past_the_last_active_row_are_skipped_exactly(active):
     eng = slots_engine()
     assert eng.tuning.row_buckets and row_buckets(16) == (1, 4, 16)
     computed = next(r for r in row_buckets(16) if r > max(active))
-    state = eng.init_decode_state(16)
+    host = Host(eng, 16)
     got: dict[int, list[int]] = {}
     for slot in range(16):
         r = slot_request(slot)
-        if slot not in active:  # a finished request: done, with a filled cache row
+        if slot not in active:  # a finished request: done, with filled pages
             r = req(list(r.prompt_ids), greedy(1))
-        pre = eng.prefill([r.prompt_ids], [r.sampling])
-        got[slot] = [int(pre.tokens[0])]
-        state = eng.insert(pre.state, state, [slot])
-    kernel = KERNELS[eng.kernel]
+        got[slot] = [host.start(slot, r)]
+    kernel = PAGED_KERNELS[eng.paged_kernel]
 
     def tail(state) -> list[np.ndarray]:
-        return [np.asarray(a[computed:]) for layer in state.cache for a in kernel.to_bskd(layer)]
+        cache = state.cache
+        return [
+            np.asarray(a[computed:])
+            for i in range(len(cache.pools))
+            for a in kernel.to_bskd(cache.layer(i))
+        ]
 
+    state = host.state
     before = tail(state)
     while not bool(np.all(np.asarray(state.done))):
         state, toks, _ = eng.generate(state, 4)
@@ -373,25 +315,30 @@ def test_batched_prefill_and_insert_equal_offline_generate():
     expected = [
         generate(eng, [req(p, s)])[0].token_ids for p, s in zip(prompts, samplings, strict=True)
     ]
-    state = eng.init_decode_state(4)
-    pre = eng.prefill(prompts, samplings)
+    host = Host(eng)
+    pages = [
+        host.pool.admit(i, p, reserve=s.max_new_tokens)
+        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
+    ]
+    chunks = [
+        Chunk(p, 0, a.pages, s) for p, a, s in zip(prompts, pages, samplings, strict=True) if a
+    ]
+    state, pre = eng.prefill(host.state, chunks)
     first = np.asarray(pre.tokens)
-    slots = [3, 0, -1]
-    state = eng.insert(pre.state, state, slots)
-    got = {0: [int(first[0])], 1: [int(first[1])]}
-    while not bool(np.all(np.asarray(state.done))):
-        state, toks, _ = eng.generate(state, 4)
-        for i in (0, 1):
-            got[i] += [int(t) for t in np.asarray(toks)[:, slots[i]] if t >= 0]
-    assert [got[0], got[1]] == expected[:2]
-    assert bool(np.asarray(state.done)[1]) and bool(np.asarray(state.done)[2])  # untouched
+    assert first.shape == (4,)  # three chunks, padded to a row bucket of four
+    slots = [2, 0, -1]
+    host.state = eng.insert(pre, state, slots)
+    got = {0: [int(first[1])], 2: [int(first[0])]}
+    host.drain(got)
+    assert [got[0], got[2]] == expected[1::-1]
+    assert bool(np.asarray(host.state.done)[1])  # untouched
     assert int(first[2]) == expected[2][0]  # the skipped row was still prefilled right
     with pytest.raises(ValueError, match="distinct"):
-        eng.insert(pre.state, eng.init_decode_state(4), [1, 1, -1])
-    with pytest.raises(ValueError, match="3 rows"):
-        eng.insert(pre.state, eng.init_decode_state(4), [0, 1])
+        eng.insert(pre, eng.init_decode_state(3), [1, 1, -1])
+    with pytest.raises(ValueError, match="3 chunks"):
+        eng.insert(pre, eng.init_decode_state(3), [0, 1])
     with pytest.raises(IndexError, match="out of range"):
-        eng.insert(pre.state, eng.init_decode_state(4), [0, 4, -1])
+        eng.insert(pre, eng.init_decode_state(3), [0, 3, -1])
 
 
 def test_stream_chunks_concatenate_to_the_offline_result():
@@ -412,6 +359,7 @@ def test_the_cache_free_baseline_runs_through_the_same_offline_code():
     assert [r.token_ids for r in naive] == [r.token_ids for r in cached]
     assert naive.bucket is None and not naive.kv_cache
     assert eng.compiles["naive_prefill"] == 1 and eng.compiles["naive_generate"] >= 1
+    assert eng.compiles["naive_insert"] == 1
 
 
 def test_eos_and_stop_tokens_end_a_row_and_are_not_returned():

@@ -4,7 +4,9 @@ This is the model-level invariant the inference engine relies on: for every row,
 of a right-padded prefill and of each following one-token decode step (each row at its own
 position, ragged), and of a chunk that extends a cache from a different slot per row,
 equal the logits of one plain causal forward over the whole sequence, within f32 tolerance.
-Each kernel keeps the cache in its own layout; the model never looks inside.
+Each kernel keeps the cache in its own layout; the model never looks inside. The same holds
+for a paged cache (pages scattered through a shuffled pool), read by each kernel's paged
+counterpart, with and without row buckets.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import pytest
 from flax import nnx
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
-from jaxlab.kernels import KERNELS
+from jaxlab.kernels import KERNELS, PAGED_FOR
+from jaxlab.kernels.paged import Pages
+from jaxlab.kernels.rows import Rows
 from jaxlab.model import Cache, Transformer, split_model
 
 F32 = PrecisionConfig()
@@ -87,9 +91,32 @@ class CachedModel:
             h, cache = model.extend(tokens, positions, cache)
             return model.logits(h), cache
 
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def prefill_pages(
+            params: nnx.State, pages: Pages, tokens: jax.Array
+        ) -> tuple[jax.Array, Pages]:
+            model = nnx.merge(graphdef, params)
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            h, pages = model.prefill_pages(tokens, positions, pages)
+            return model.logits(h), pages
+
+        @functools.partial(jax.jit, donate_argnums=(1,), static_argnums=(4,))
+        def extend_pages(
+            params: nnx.State, pages: Pages, tokens: jax.Array, positions: jax.Array, rows: int
+        ) -> tuple[jax.Array, Pages]:
+            """``rows`` > 0: compute only that many leading rows (a row bucket)."""
+            model = nnx.merge(graphdef, params)
+            b = tokens.shape[0]
+            sizes = Rows((rows, b), jnp.asarray(0)) if 0 < rows < b else None
+            h, pages = model.extend(tokens, positions, pages, rows=sizes)
+            return model.logits(h), pages
+
+        self.graphdef = graphdef
         self.full = jax.jit(full)
         self.prefill = jax.jit(prefill)
         self.extend = extend
+        self.prefill_pages = prefill_pages
+        self.extend_pages = extend_pages
 
     def run_full(self, tokens: np.ndarray) -> np.ndarray:
         return np.asarray(self.full(self.params, jnp.asarray(tokens, jnp.int32)))
@@ -192,3 +219,67 @@ def test_a_cache_of_another_depth_is_refused() -> None:
     t = jnp.zeros((1, 1), jnp.int32)
     with pytest.raises(ValueError, match="cache has 1 layers, model has 2"):
         jax.eval_shape(lambda c: model.extend(t, t, c), cache)
+
+
+# ------------------------------------------------------------------------- a paged cache
+
+PAGE_SIZE = 4  # MAX_LEN 16 -> 4 pages per row
+
+
+def scattered_pages(m: CachedModel, rows: int, seed: int) -> tuple[Pages, int]:
+    """An empty paged cache whose rows hold shuffled pages of a pool with spare pages."""
+    model = nnx.merge(m.graphdef, m.params)
+    max_pages = MAX_LEN // PAGE_SIZE
+    num_pages = rows * max_pages + 3
+    pages = model.init_pages(rows, num_pages, PAGE_SIZE, MAX_LEN)
+    ids = np.random.default_rng(seed).permutation(num_pages)[: rows * max_pages]
+    table = jnp.asarray(ids.reshape(rows, max_pages), jnp.int32)
+    return Pages(pages.pools, table), num_pages
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_paged_prefill_then_decode_matches_full_forward(name: str) -> None:
+    """Prefill into pages, then decode ragged rows, then a chunk per row from a different
+    position: the full forward's logits at every step, through each kernel's paged
+    counterpart. Row 2 of the last steps is outside a 2-row bucket: it writes nothing."""
+    m = cached_model(name)
+    b = len(PROMPT_LENS)
+    rng = np.random.default_rng(3)
+    seq = rng.integers(0, m.cfg.vocab_size, size=(b, MAX_LEN))
+    full = m.run_full(seq)
+    pages, _ = scattered_pages(m, b, seed=4)
+    prompt = rng.integers(0, m.cfg.vocab_size, size=(b, BUCKET))
+    for r, n in enumerate(PROMPT_LENS):
+        prompt[r, :n] = seq[r, :n]
+    logits, pages = m.prefill_pages(m.params, pages, jnp.asarray(prompt, jnp.int32))
+    for r, n in enumerate(PROMPT_LENS):
+        np.testing.assert_allclose(np.asarray(logits)[r, :n], full[r, :n], atol=ATOL, rtol=RTOL)
+
+    for j in range(3):
+        pos = PROMPT_LENS + j
+        tok = seq[np.arange(b), pos][:, None]
+        logits, pages = m.extend_pages(
+            m.params, pages, jnp.asarray(tok, jnp.int32), jnp.asarray(pos[:, None]), 0
+        )
+        np.testing.assert_allclose(
+            np.asarray(logits)[:, 0], full[np.arange(b), pos], atol=ATOL, rtol=RTOL
+        )
+
+    # A 2-token chunk per row from its own position, rows 0 and 1 only (a row bucket).
+    kernel = PAGED_FOR[m.cfg.attention_impl]
+    assert kernel in ("paged_reference", "paged_xla")
+    before = [np.asarray(a) for a in jax.tree.leaves(pages.pools)]
+    pos = (PROMPT_LENS + 3)[:, None] + np.arange(2)
+    pos[2] = [MAX_LEN - 2, MAX_LEN - 1]  # row 2 is not computed: nothing of it lands
+    toks = np.take_along_axis(seq, pos, axis=1)
+    logits, pages = m.extend_pages(
+        m.params, pages, jnp.asarray(toks, jnp.int32), jnp.asarray(pos, jnp.int32), 2
+    )
+    want = np.take_along_axis(full, pos[..., None], axis=1)
+    np.testing.assert_allclose(np.asarray(logits)[:2], want[:2], atol=ATOL, rtol=RTOL)
+    table = np.asarray(pages.table)
+    for got, old in zip(jax.tree.leaves(pages.pools), before, strict=True):
+        got = np.asarray(got)
+        changed = {int(p) for p in np.nonzero(np.any(got != old, axis=(0, 2, 3)))[0]}
+        allowed = {int(table[r, p // PAGE_SIZE]) for r in (0, 1) for p in pos[r]}
+        assert changed <= allowed
