@@ -135,6 +135,7 @@ def register(app: typer.Typer) -> None:
                 f"{info['platform']}, {info['precision']}), {info['slots']} slots "
                 f"in {info['decode_groups']} decode group(s), "
                 f"max_len {info['max_len']}, buckets {info['prefill_buckets']}, "
+                f"{info['kv_pages']} KV pages of {info['page_size']} tokens, "
                 f"warm-up {sched.warmup_s if sched else 0:.1f}s{_cache_note(sched)}",
                 markup=False,
                 soft_wrap=True,

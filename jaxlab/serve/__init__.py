@@ -6,10 +6,10 @@ Modules, bottom up:
 ``errors``         domain errors (queue full, not accepting, timeout, ...): no HTTP
 ``lifecycle``      the model's state machine (loading, warming, ready, draining, ...)
 ``metrics``        Prometheus metrics on the server's own registry
-``policy``         pure scheduling decisions: admission sizes, slot choice, slot groups
-``slots``          slot groups: the decode states and the threads that drive them
+``policy``         pure scheduling decisions: slots, groups, chunks, page growth, fits
+``slots``          slot groups: decode states, page pools and tables, their threads
 ``waiting``        the bounded, thread-safe waiting queue; cancellation and deadlines
-``scheduler``      admission and the decode loop over the engine's verbs
+``scheduler``      admission by memory, chunked prefill, preemption, the decode loop
 ``output``         one request's text, stop strings, timings, metrics and events
 ``service``        load, warm up, serve, drain, stop; the engine thread
 ``protocol``       request bodies and OpenAI-shaped error bodies

@@ -60,7 +60,7 @@ from jaxlab.serve.slots import PAD_TOKEN, Engine, SlotGroup, SlotGroups
 from jaxlab.serve.waiting import Entry, Output, Waiting
 
 if TYPE_CHECKING:
-    from jaxlab.infer.engine import Chunk
+    from jaxlab.infer.chunks import Chunk
     from jaxlab.infer.request import Request
 
 log = logging.getLogger("jaxlab.serve")
@@ -376,7 +376,7 @@ class Scheduler:
         return self.groups.group_of(entry.slot)
 
     def _chunk(self, entry: Entry, n: int) -> Chunk:
-        from jaxlab.infer.engine import Chunk
+        from jaxlab.infer.chunks import Chunk
 
         start = entry.computed
         last = start + n == len(entry.seq)

@@ -89,32 +89,6 @@ def _thaw_startup_heap() -> None:
             gc.unfreeze()
 
 
-def kv_pages(cfg: JaxlabConfig, page_size: int) -> int | None:
-    """The server's KV pages, every slot group together: ``inference.num_pages``, or what
-    ``inference.kv_cache_mib`` holds (K and V of every layer, in the compute dtype), or
-    None (the scheduler's default: every slot can hold ``max_len`` tokens)."""
-    inf = cfg.inference
-    if inf.num_pages is not None:
-        return inf.num_pages
-    if inf.kv_cache_mib is None:
-        return None
-    import jax.numpy as jnp
-
-    from jaxlab.infer.pages import pages_for_budget
-
-    try:
-        return pages_for_budget(
-            inf.kv_cache_mib,
-            page_size=page_size,
-            n_layers=cfg.model.n_layers,
-            n_kv_heads=cfg.model.n_kv_heads,
-            head_dim=cfg.model.head_dim,
-            dtype_bytes=jnp.dtype(str(cfg.train.precision.compute_dtype)).itemsize,
-        )
-    except ValueError as e:  # not even one page: name the field
-        raise ValueError(f"inference.kv_cache_mib: {e}") from None
-
-
 def run_dir_loader(
     run_dir: str | Path,
     step: int | None,
@@ -270,7 +244,7 @@ class ModelService:
                 max_queue=self.serve_cfg.max_queue,
                 request_timeout_s=self.serve_cfg.request_timeout_s,
                 chunk_tokens=self.cfg.inference.stream_chunk_tokens,
-                num_pages=kv_pages(self.cfg, engine.page_size),
+                num_pages=engine.pool_pages(self.serve_cfg.slots),  # the groups split it
                 prefill_chunk_tokens=self.serve_cfg.prefill_chunk_tokens,
                 prefix_caching=self.serve_cfg.prefix_caching,
                 metrics=self.metrics,
@@ -391,4 +365,4 @@ class ModelService:
         return out
 
 
-__all__ = ["ModelLoader", "ModelService", "ServedModel", "kv_pages", "run_dir_loader"]
+__all__ = ["ModelLoader", "ModelService", "ServedModel", "run_dir_loader"]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxlab.infer.engine import Chunk
+    from jaxlab.infer.chunks import Chunk
     from jaxlab.infer.pages import PagePool
 
 #: Token of the warm-up's prompts and of the empty row (any valid id).
@@ -51,13 +51,15 @@ class Engine(Protocol):
     @property
     def compiles(self) -> dict[str, int]: ...
 
+    def pool_pages(self, slots: int, groups: int = 1) -> int: ...
+
     def init_decode_state(self, slots: int, num_pages: int | None = None) -> Any: ...
 
     def set_table(self, state: Any, table: np.ndarray) -> Any: ...
 
     def prefill(self, state: Any, chunks: Sequence[Chunk]) -> tuple[Any, Any]: ...
 
-    def insert(self, pre: Any, state: Any, slots: Sequence[int]) -> Any: ...
+    def insert(self, prefix: Any, state: Any, slots: Sequence[int]) -> Any: ...
 
     def generate(self, state: Any, k: int) -> tuple[Any, Any, Any]: ...
 
@@ -148,7 +150,7 @@ class SlotGroup:
         table (the old pages' contents, the prefix cache included, went with the old
         state), and the empty row that frees a slot: a one-token prompt with a one-token
         budget, done as soon as it is prefilled (into a page lent for that call only)."""
-        from jaxlab.infer.engine import Chunk
+        from jaxlab.infer.chunks import Chunk
         from jaxlab.infer.sampling import SamplingParams
 
         self.state = None
@@ -273,7 +275,7 @@ class SlotGroups(Sequence[SlotGroup]):
         """
         import jax
 
-        from jaxlab.infer.engine import Chunk
+        from jaxlab.infer.chunks import Chunk
         from jaxlab.infer.sampling import SamplingParams
 
         eng = self.engine

@@ -173,23 +173,27 @@ def long_ops(name: str):
     return jax.jit(run)
 
 
-LONG_PAGES, LONG_PS = 16, 16  # page counts 4, 8, 16: the switch over visible pages
+LONG_PAGES, LONG_PS = 16, 16  # page counts 4, 8, 12, 16: the switch over visible pages
 
 
 @SETTINGS
 @example(ends=[0, 63, 5], seed=0)  # the fewest pages
 @example(ends=[64, 3, 3], seed=1)  # one position past them
-@example(ends=[255, 0, 0], seed=2)  # every page
+@example(ends=[191, 192, 0], seed=2)  # twelve pages, then all
+@example(ends=[255, 0, 0], seed=3)  # every page
 @given(
     ends=st.lists(
-        st.sampled_from([0, 1, 62, 63, 64, 65, 127, 128, 129, 255]), min_size=B, max_size=B
+        st.sampled_from([0, 1, 62, 63, 64, 65, 127, 128, 129, 191, 192, 255]),
+        min_size=B,
+        max_size=B,
     ),
     seed=st.integers(0, 2**16),
 )
 def test_reading_only_the_visible_pages_equals_the_reference(ends, seed):
-    """Queries around each page-count bucket (positions 63/64, 127/128): the kernel that
-    reads only the leading pages some query can see equals the one that reads them all."""
-    assert page_buckets(LONG_PAGES, LONG_PS) == (4, 8, 16)
+    """Queries around each page-count bucket (positions 63/64, 127/128, 191/192): the
+    kernel that reads only the leading pages some query can see equals the one that reads
+    them all."""
+    assert page_buckets(LONG_PAGES, LONG_PS) == (4, 8, 12, 16)
     rng = np.random.default_rng(seed)
     num_pages = B * LONG_PAGES
     table = rng.permutation(num_pages).reshape(B, LONG_PAGES).astype(np.int32)
@@ -203,10 +207,11 @@ def test_reading_only_the_visible_pages_equals_the_reference(ends, seed):
 
 
 def test_page_buckets_and_table_width():
-    assert page_buckets(16, 16) == (4, 8, 16)
-    assert page_buckets(64, 16) == (4, 8, 16, 32, 64)
+    assert page_buckets(16, 16) == (4, 8, 12, 16)
+    assert page_buckets(64, 16) == (4, 8, 16, 32, 48, 64)
+    assert page_buckets(8, 16) == (4, 6, 8)
     assert page_buckets(3, 16) == (3,)
-    assert page_buckets(100, 1) == (64, 100)
+    assert page_buckets(100, 1) == (64, 89, 100)
     assert pg.max_pages_for(48, 5) == 10 and pg.max_pages_for(48, 16) == 3
 
 

@@ -44,7 +44,7 @@ from jaxlab.infer.request import Limits, Request
 from jaxlab.infer.sampling import MAX_STOP_TOKENS
 
 if TYPE_CHECKING:
-    from jaxlab.infer.engine import Chunk
+    from jaxlab.infer.chunks import Chunk
 
 NO_TOKEN = -1
 _MASK = (1 << 62) - 1
@@ -160,8 +160,10 @@ class FakeEngine:
         max_len: int = 64,
         buckets: Sequence[int] = (16, 64),
         page_size: int = 4,
+        num_pages: int | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.num_pages = num_pages  # the configured pool (inference.num_pages); None: default
         self.max_len = max_len
         self.buckets = tuple(buckets)
         self.page_size = page_size
@@ -185,6 +187,11 @@ class FakeEngine:
 
     def limits(self, eos_id: int | None = None) -> Limits:
         return Limits(self.vocab_size, self.max_len, eos_id)
+
+    def pool_pages(self, slots: int, groups: int = 1) -> int:
+        if self.num_pages is None:
+            return slots * self.max_pages
+        return self.num_pages // groups
 
     def bucket_for(self, n_tokens: int) -> int:
         return next(b for b in self.buckets if b >= n_tokens)
@@ -317,14 +324,14 @@ class FakeEngine:
         last = tuple(c.last for c in chunks)
         return st, Prefill(pre, pre.tokens.copy(), pre.done.copy(), bucket, last)
 
-    def insert(self, pre: Prefill, state: FakeState, slots: Sequence[int]) -> FakeState:
-        rows = pre.state
-        assert len(slots) == len(pre.last), (slots, pre.last)
-        chosen = [s for s, last in zip(slots, pre.last, strict=True) if last and s >= 0]
+    def insert(self, prefix: Prefill, state: FakeState, slots: Sequence[int]) -> FakeState:
+        rows = prefix.state
+        assert len(slots) == len(prefix.last), (slots, prefix.last)
+        chosen = [s for s, last in zip(slots, prefix.last, strict=True) if last and s >= 0]
         assert len(set(chosen)) == len(chosen) and all(s < state.slots for s in chosen), slots
         self._called("insert", (len(rows.done), state.slots), state.slots, list(slots))
         st = self._take(state)
-        for row, (slot, last) in enumerate(zip(slots, pre.last, strict=True)):
+        for row, (slot, last) in enumerate(zip(slots, prefix.last, strict=True)):
             if slot >= 0 and last:  # the row and its page-table row
                 st.rows.put(slot, rows, row)
                 st.table[slot] = rows.table[row]

@@ -677,8 +677,10 @@ def test_client_disconnect_cancels_and_frees_the_slot(model, cfg):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/generate", json={"prompt": "bye", "max_tokens": 80}, timeout=0.5)
         wait_until(lambda: sched(srv).idle)
+        # The gauges are set after the engine thread's step that freed the slot.
+        wait_until(lambda: metric(metrics(url), "jaxlab_num_requests_running") == 0)
         m = metrics(url)
-        assert metric(m, "jaxlab_num_requests_running") == 0
+        assert metric(m, "jaxlab_kv_cache_pages_used") == 0  # its pages came back too
         assert metric(m, "jaxlab_requests_total", status="499") == 2
         assert metric(m, "jaxlab_e2e_request_latency_seconds_count") == 0  # none finished
 

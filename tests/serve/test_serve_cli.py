@@ -52,6 +52,12 @@ def test_serve_usage_errors_exit_2(run_dir, tmp_path):
     assert "serve.decode_groups: must divide serve.slots (got 4 and 6)" in r.stderr
 
 
+#: The servers here share one prefill bucket (fewer compiles, the same ones in every test,
+#: from the session's compilation cache after the first); 48 tokens take >= 1.5 s at 0.25 s
+#: a chunk: a request is surely in flight at SIGTERM.
+ONE_BUCKET = ("--set", "inference.prefill_buckets=[128]", "--chunk-delay-s", "0.25")
+
+
 class Served:
     """``jaxlab serve`` in a subprocess on an ephemeral port, its output in files."""
 
@@ -115,17 +121,7 @@ class Served:
 
 @pytest.mark.slow
 def test_sigterm_drains_an_in_flight_request_then_exits_0(run_dir, tmp_path):
-    srv = Served(
-        run_dir,
-        tmp_path,
-        "--set",
-        "inference.prefill_buckets=[128]",
-        "--set",
-        "serve.drain_timeout_s=30",
-        "--chunk-delay-s",
-        "0.25",  # 48 tokens take >= 1.5 s: the request is surely in flight at SIGTERM
-        "--json",
-    )
+    srv = Served(run_dir, tmp_path, *ONE_BUCKET, "--set", "serve.drain_timeout_s=30", "--json")
     proc, url, port = srv.proc, srv.url, srv.port
     try:
         assert 503 in srv.ready_statuses  # gated while loading and warming
@@ -164,9 +160,7 @@ def test_a_second_sigterm_cuts_a_drain_short_but_not_a_finished_one(run_dir, tmp
     # During a drain: the in-flight request is cut off (an error event), exit 143, and no
     # traceback.
     (tmp_path / "a").mkdir()
-    srv = Served(
-        run_dir, tmp_path / "a", "--set", "serve.drain_timeout_s=60", "--chunk-delay-s", "0.25"
-    )
+    srv = Served(run_dir, tmp_path / "a", *ONE_BUCKET, "--set", "serve.drain_timeout_s=60")
     try:
         body = {"prompt": "in flight", "max_tokens": 48, "temperature": 0.0, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as s:
@@ -188,7 +182,7 @@ def test_a_second_sigterm_cuts_a_drain_short_but_not_a_finished_one(run_dir, tmp
     # After the drain (an idle server drains at once; the socket closes when uvicorn starts
     # shutting down): the second signal changes nothing, exit 0.
     (tmp_path / "b").mkdir()
-    srv = Served(run_dir, tmp_path / "b")
+    srv = Served(run_dir, tmp_path / "b", *ONE_BUCKET)
     try:
         srv.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: not srv.listening(), timeout_s=30)

@@ -169,8 +169,7 @@ def test_a_pool_for_two_long_sequences_serves_eight_by_preemption(model, run_dir
         for i in range(8)
     ]
     own = load_model(run_dir, small)
-    serve = dict(slots=8, decode_groups=1, prefill_batch=1)
-    with serving(own, small, **serve) as srv:
+    with serving(own, small, slots=8, decode_groups=1, prefill_batch=1) as srv:
         got = send_all(srv.url, bodies)
         s = sched(srv)
         assert s.preemptions > 0
@@ -240,9 +239,8 @@ def test_a_request_that_can_never_fit_the_pool_is_a_400_naming_it():
     from jaxlab.serve import ModelService
     from jaxlab.tokenizer import byte_tokenizer
 
-    overrides = ["serve.slots=2", "serve.decode_groups=2", "inference.num_pages=4"]
-    small = load_config("tiny", overrides, environ={})
-    engine: Any = FakeEngine(page_size=4)
+    small = load_config("tiny", ["serve.slots=2", "serve.decode_groups=2"], environ={})
+    engine: Any = FakeEngine(page_size=4, num_pages=4)
     with ServerThread(ModelService.from_engine(engine, byte_tokenizer(), small)) as srv:
         srv.wait_ready()
         body = {"prompt": "y" * 6, "max_tokens": 3}

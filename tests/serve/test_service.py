@@ -77,15 +77,12 @@ def test_request_errors_name_the_field_and_admission_follows_the_lifecycle(servi
 
 
 def test_a_request_that_can_never_fit_the_kv_pool_is_refused_before_it_queues():
-    """inference.num_pages = 4 pages of 4 tokens: ``request()`` refuses prompt + max_tokens
-    over 16 tokens (the one check, before submit), naming the pool; the scheduler's own
-    ``submit`` refuses it too, for a caller that skips the check."""
-    cfg = load_config(
-        "tiny",
-        ["serve.slots=2", "serve.decode_groups=1", "inference.num_pages=4"],
-        environ={},
-    )
-    engine = FakeEngine(page_size=4)
+    """A pool of 4 pages of 4 tokens (the engine sizes it: ``pool_pages``): ``request()``
+    refuses prompt + max_tokens over 16 tokens (the one check, before submit), naming the
+    pool; the scheduler's own ``submit`` refuses it too, for a caller that skips the
+    check."""
+    cfg = load_config("tiny", ["serve.slots=2", "serve.decode_groups=1"], environ={})
+    engine = FakeEngine(page_size=4, num_pages=4)
     svc = ModelService.from_engine(engine, TOK, cfg)  # type: ignore[arg-type]
     svc.start()
     try:
@@ -103,18 +100,3 @@ def test_a_request_that_can_never_fit_the_kv_pool_is_refused_before_it_queues():
             svc.submit(unchecked)
     finally:
         svc.stop()
-
-
-def test_kv_cache_mib_sizes_the_pool_from_the_model():
-    """inference.kv_cache_mib: pages of K and V for every layer, in the compute dtype."""
-    from jaxlab.serve.service import kv_pages
-
-    cfg = load_config("tiny", ["inference.kv_cache_mib=1"], environ={})
-    m = cfg.model
-    page_bytes = 2 * m.n_layers * 16 * m.n_kv_heads * m.head_dim * 4
-    assert kv_pages(cfg, 16) == 2**20 // page_bytes
-    assert kv_pages(load_config("tiny", ["inference.num_pages=9"], environ={}), 16) == 9
-    assert kv_pages(load_config("tiny", [], environ={}), 16) is None
-    tiny = load_config("tiny", ["inference.kv_cache_mib=0.0001"], environ={})
-    with pytest.raises(ValueError, match=r"inference\.kv_cache_mib: a KV cache budget"):
-        kv_pages(tiny, 16)
