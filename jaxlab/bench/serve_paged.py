@@ -206,7 +206,7 @@ def prefix_case(run: PagedRun) -> Iterator[Record]:
             load = run.closed(sides[on].url, bodies, plan.prefix_concurrency)
             loads[on].append(load)
             side = {**case, "prefix_caching": on, "round": rnd}
-            extra = {"decode_groups": sides[on].decode_groups}
+            extra = {"decode_groups": sides[on].decode_groups, "kv_pages": sides[on].num_pages}
             yield from run_records(ctx, load, side, extra, in_process=True)
 
     def p50_ttft(load: LoadResult) -> float | None:
@@ -273,6 +273,14 @@ def memory_case(run: PagedRun) -> Iterator[Record]:
         )
         return
     paged = run.servers.get(PAGED_SLOTS, {**whole, "inference.num_pages": pool})
+    if paged.num_pages != pool:
+        yield ctx.failure(
+            "paged_concurrency_ratio",
+            f"the 64-slot server runs {paged.num_pages} KV pages, not the {pool} asked for",
+            case={"mode": "memory", "num_pages": pool},
+            unit="x",
+        )
+        return
     sides = {PAGED_SLOTS: paged, SLOTS: today}
     case: dict[str, CaseValue] = {
         "mode": "memory",
@@ -306,6 +314,7 @@ def memory_case(run: PagedRun) -> Iterator[Record]:
                 "gauge_scrapes": len(sampler.t_s),
                 "scrape_errors": sampler.errors,
                 "decode_groups": server.decode_groups,
+                "kv_pages": server.num_pages,
             }
             side = {**case, "slots": slots, "round": rnd}
             yield from run_records(ctx, load, side, extra, in_process=True)

@@ -1,12 +1,15 @@
-"""The serve suite's in-process servers: one per distinct serving config, over one model.
+"""The serve suite's in-process servers: one per distinct serving config.
 
 A server is started on an ephemeral 127.0.0.1 port (uvicorn on a thread, the engine on its
 own thread) over a randomly initialised model of the configured shape with the byte
 tokenizer (throughput does not depend on the weights; ``ignore_eos`` fixes every output
-length). Every server shares the one :class:`~jaxlab.infer.engine.Engine`, so a second
-server of shapes already compiled warms up without compiling. :class:`Servers` keeps each
-server it started, keyed by its config: a case asking for a server another case already
-started gets it back, warm. All of them stop when the pool closes. Nothing here measures.
+length). Servers share an :class:`~jaxlab.infer.engine.Engine` (same seed, same weights)
+wherever their KV pools are configured alike, so a second server of shapes already compiled
+warms up without compiling; a server sizes its pool from its engine's config
+(``Engine.pool_pages``), so a server with another pool gets an engine of its own.
+:class:`Servers` keeps each server it started, keyed by its config: a case asking for a
+server another case already started gets it back, warm. All of them stop when the pool
+closes. Nothing here measures.
 """
 
 from __future__ import annotations
@@ -91,9 +94,18 @@ class Server:
         return int(reported) if reported is not None else pool_pages(self.cfg)
 
 
+#: The inference fields an engine sizes its KV pool from.
+POOL_FIELDS = ("page_size", "num_pages", "kv_cache_mib")
+
+
+def _pool_key(cfg: JaxlabConfig) -> tuple[Any, ...]:
+    return tuple(getattr(cfg.inference, f) for f in POOL_FIELDS)
+
+
 class Servers:
     """Started servers, one per resolved serving config (``serve.*`` and ``inference.*``);
-    ``warm(url, slots)`` runs once on each new one (untimed requests), ``status(text)``
+    ``model`` serves ``cfg``'s own pool, and other pools get models of their own.
+    ``warm(url, slots)`` runs once on each new server (untimed requests), ``status(text)``
     tells the live view."""
 
     def __init__(
@@ -112,6 +124,13 @@ class Servers:
         self._status = status
         self._stack = contextlib.ExitStack()
         self._servers: dict[str, Server] = {}
+        self._models: dict[tuple[Any, ...], ServedModel] = {_pool_key(cfg): model}
+
+    def _model_for(self, cfg: JaxlabConfig) -> ServedModel:
+        key = _pool_key(cfg)
+        if key not in self._models:
+            self._models[key] = served_model(cfg)
+        return self._models[key]
 
     def get(self, slots: int, sets: Sets | None = None) -> Server:
         """The server of ``slots`` slots with ``sets`` applied: started (and warmed) now if
@@ -126,7 +145,7 @@ class Servers:
             f"starting a {slots}-slot server{f' ({what})' if what else ''} "
             "(warm-up compiles every bucket)"
         )
-        server = self._stack.enter_context(_started(self.model, cfg))
+        server = self._stack.enter_context(_started(self._model_for(cfg), cfg))
         self._warm(server.url, slots)
         self._servers[key] = server
         return server
@@ -155,4 +174,4 @@ def _started(model: ServedModel, cfg: JaxlabConfig) -> Iterator[Server]:
         srv.stop()
 
 
-__all__ = ["Server", "Servers", "Sets", "pool_pages", "serve_cfg", "served_model"]
+__all__ = ["POOL_FIELDS", "Server", "Servers", "Sets", "pool_pages", "serve_cfg", "served_model"]

@@ -181,6 +181,7 @@ def test_prefix_caching_case_compares_the_same_requests_with_the_cache_on_and_of
         assert c["prefill_chunk_tokens"] == CHUNK
         assert side.derived["errors"] == 0 and side.derived["requests"] == c["requests"] == 24
         assert side.derived["prompt_tokens"] == 24 * (48 + 4), "token-exact prompts"
+        assert side.derived["kv_pages"] == c["num_pages"], "the same pool on both sides"
     # The cache hit, and only on the server that has one: full pages of the prefix.
     cached = on.derived["cached_tokens"]
     assert cached > 0 and cached % PAGE_SIZE == 0 and cached <= 24 * 48
@@ -211,6 +212,7 @@ def test_memory_case_gives_64_slots_the_pool_of_16(serve_run):
         d = side.derived
         assert d["errors"] == 0 and d["scrape_errors"] == 0 and d["gauge_scrapes"] > 0
         assert d["preemptions"] is not None
+        assert d["kv_pages"] == pool, "the pool the server reports, 64 slots or 16"
         assert 0 < d["running_peak"] <= side.case["slots"]
         assert d["pages_peak"] <= pool
     # Admission by memory: the pool of 16 slots held more than 16 of these requests at once.
