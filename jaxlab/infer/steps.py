@@ -18,12 +18,15 @@ from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jaxlab.infer.sampling import SamplingArrays, hits_stop, sample
 from jaxlab.infer.state import DecodeState
+from jaxlab.kernels import NO_SLOT
 from jaxlab.kernels.paged import PagedCache, Pages
 from jaxlab.kernels.rows import Rows, row_buckets
+from jaxlab.kernels.staged import StagedCache
+from jaxlab.model.transformer import C, Transformer
 
 Array = jax.Array
 S = TypeVar("S")
@@ -138,26 +141,19 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
 # ---------------------------------------------------------------------------- decode
 
 
-def decode_step(
-    graphdef: nnx.GraphDef, weights: Weights, st: DecodeState, *, buckets: bool
-) -> tuple[DecodeState, Array, Array]:
-    """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
-
-    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V through the row's page table) and
-    samples the next token with key index ``st.generated``. With ``buckets``
-    (:mod:`jaxlab.kernels.rows`) only the leading rows up to the last active one are
-    computed, rounded up to a bucket; rows past them get zero logits. Done rows inside that
-    range compute but do not advance, and see a table without pages for this step, so
-    they write nothing: their pages may have gone to another row. Every done row's
-    ``emitted`` is :data:`NO_TOKEN`.
-    """
-    model = nnx.merge(graphdef, weights.params)
+def _advance(
+    model: Transformer,
+    weights: Weights,
+    st: DecodeState,
+    cache: C,
+    rows: Rows,
+) -> tuple[DecodeState, C, Array, Array]:
+    """The step both forms share: feed ``st.tokens`` at ``st.pos`` through ``cache`` (the
+    caller's view of the pages, with done rows' pages hidden), sample, advance the active
+    rows. Returns the state (its cache untouched), the new cache, logits and emitted."""
     active = ~st.done
-    rows = Rows.up_to_last(active, row_buckets(st.slots) if buckets else (st.slots,))
     pos = jnp.minimum(st.pos, st.max_len - 1)
-    pools, table = st.cache.pools, st.cache.table
-    writable = jnp.where(active[:, None], table, st.cache.num_pages)  # done rows: NO_PAGE
-    h, cache = model.decode(st.tokens, pos, Pages(pools, writable), rows=rows)
+    h, cache = model.decode(st.tokens, pos, cache, rows=rows)
 
     def head(r: int, h: Array, sp: SamplingArrays, generated: Array) -> tuple[Array, Array]:
         logits = model.logits(h[:r], weights.head)
@@ -167,13 +163,79 @@ def decode_step(
     generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
     new = dataclasses.replace(
         st,
-        cache=Pages(cache.pools, table),
         tokens=jnp.where(active, tok, st.tokens),
         pos=jnp.where(active, st.pos + 1, st.pos),
         generated=generated,
         done=done,
     )
-    return new, logits, jnp.where(active, tok, NO_TOKEN)
+    return new, cache, logits, jnp.where(active, tok, NO_TOKEN)
+
+
+def writable(st: DecodeState) -> Pages:
+    """The state's pages as a step may write them: done rows get no page (``NO_PAGE``), so
+    their writes are dropped; their pages may have gone to another row by now."""
+    table = jnp.where(st.done[:, None], st.cache.num_pages, st.cache.table)
+    return Pages(st.cache.pools, table)
+
+
+def decode_step(
+    graphdef: nnx.GraphDef, weights: Weights, st: DecodeState, *, buckets: bool
+) -> tuple[DecodeState, Array, Array]:
+    """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
+
+    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V through the row's page table, reading
+    the pages through it) and samples the next token with key index ``st.generated``. With
+    ``buckets`` (:mod:`jaxlab.kernels.rows`) only the leading rows up to the last active one
+    are computed, rounded up to a bucket; rows past them get zero logits. Done rows inside
+    that range compute but do not advance, and write nothing (:func:`writable`). Every
+    done row's ``emitted`` is :data:`NO_TOKEN`.
+    """
+    model = nnx.merge(graphdef, weights.params)
+    rows = Rows.up_to_last(~st.done, row_buckets(st.slots) if buckets else (st.slots,))
+    new, cache, logits, emitted = _advance(model, weights, st, writable(st), rows)
+    return dataclasses.replace(new, cache=Pages(cache.pools, st.table)), logits, emitted
+
+
+@struct.dataclass
+class Staging:
+    """The carry of a staged decode loop: the rows (their cache holds the table only: the
+    loop does not touch the pool) and the staged caches (:mod:`jaxlab.kernels.staged`)."""
+
+    state: DecodeState
+    staged: StagedCache
+
+    @property
+    def done(self) -> Array:
+        return self.state.done
+
+
+def staged_step(
+    graphdef: nnx.GraphDef, weights: Weights, carry: Staging
+) -> tuple[Staging, Array, Array]:
+    """:func:`decode_step` over staged caches, every row computed: attention reads the
+    staged contiguous caches in place, and each new K/V goes there and into the recent
+    K/V, except a done row's (its base hidden for the step)."""
+    model = nnx.merge(graphdef, weights.params)
+    st, staged = carry.state, carry.staged
+    view = dataclasses.replace(staged, base=jnp.where(st.done, NO_SLOT, staged.base))
+    new, view, logits, emitted = _advance(model, weights, st, view, Rows.all(st.slots))
+    return Staging(new, dataclasses.replace(view, base=staged.base)), logits, emitted
+
+
+def leading_rows(st: DecodeState, r: int) -> DecodeState:
+    """The leading ``r`` rows of ``st``, their table rows and no pools."""
+    rows = jax.tree.map(lambda a: a[:r], dataclasses.replace(st, cache=()))
+    return dataclasses.replace(rows, cache=Pages((), st.table[:r]))
+
+
+def with_leading_rows(st: DecodeState, lead: DecodeState) -> DecodeState:
+    """``st``'s rows with the leading ones replaced by ``lead``'s (``st``'s cache kept)."""
+
+    def put(full: Array, part: Array) -> Array:
+        return jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
+
+    rows = jax.tree.map(put, dataclasses.replace(st, cache=()), dataclasses.replace(lead, cache=()))
+    return dataclasses.replace(rows, cache=st.cache)
 
 
 def decode_loop(
@@ -203,16 +265,70 @@ def decode_loop(
 
 
 def make_generate(
-    graphdef: nnx.GraphDef, k: int, *, buckets: bool
+    graphdef: nnx.GraphDef, k: int, *, buckets: bool, staged: bool = False
 ) -> Callable[[Weights, DecodeState], tuple[DecodeState, Array, Array]]:
     """``generate(weights, state) -> (state, tokens i32[k, B], done bool[B])``: up to ``k``
-    decode steps in one jitted loop. Jit it with the state donated (in-place cache)."""
-    step = functools.partial(decode_step, graphdef, buckets=buckets)
+    decode steps in one jitted loop. Jit it with the state donated (in-place pools).
 
-    def generate(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
-        return decode_loop(step, weights, state, k)
+    ``staged`` (:attr:`~jaxlab.runtime.tuning.Tuning.staged_pages`): the call computes the
+    leading rows up to the last active one, rounded up to a row bucket with ``buckets``
+    (one ``lax.switch`` for the whole call: no row past them becomes active during it), and
+    stages those rows' pages into contiguous caches that its steps read
+    (:func:`staged_step`). Otherwise every step reads the pages (:func:`decode_step`)."""
+    if not staged:
+        step = functools.partial(decode_step, graphdef, buckets=buckets)
 
-    return generate
+        def generate(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
+            return decode_loop(step, weights, state, k)
+
+        return generate
+
+    stepped = functools.partial(staged_step, graphdef)
+
+    def over(r: int) -> Callable[[Weights, DecodeState], tuple[DecodeState, StagedCache, Array]]:
+        def run(weights: Weights, state: DecodeState) -> tuple[DecodeState, StagedCache, Array]:
+            lead = leading_rows(state, r)
+            model = nnx.merge(graphdef, weights.params)
+            base = jnp.where(lead.done, NO_SLOT, lead.pos)
+            pages = Pages(state.cache.pools, lead.table)
+            staged = model.stage_pages(pages, state.max_len, k, base)
+            carry, out, _ = decode_loop(stepped, weights, Staging(lead, staged), k)
+            # Back to every row: the pool-free rows, the recent K/V (rows past r record
+            # nothing) and the tokens.
+            pad = state.slots - r
+            recent = dataclasses.replace(
+                carry.staged,
+                working=(),
+                recent_k=tuple(
+                    jnp.pad(a, [(0, pad), (0, 0), (0, 0), (0, 0)]) for a in carry.staged.recent_k
+                ),
+                recent_v=tuple(
+                    jnp.pad(a, [(0, pad), (0, 0), (0, 0), (0, 0)]) for a in carry.staged.recent_v
+                ),
+                base=jnp.pad(base, (0, pad), constant_values=NO_SLOT),
+            )
+            out = jnp.pad(out, ((0, 0), (0, pad)), constant_values=NO_TOKEN)
+            rows = with_leading_rows(
+                dataclasses.replace(state, cache=Pages((), state.table)), carry.state
+            )
+            return rows, recent, out
+
+        return run
+
+    def generate_staged(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
+        sizes = row_buckets(state.slots) if buckets else (state.slots,)
+        if len(sizes) == 1:
+            rows, recent, out = over(sizes[0])(weights, state)
+        else:
+            index = Rows.up_to_last(~state.done, sizes).index
+            rows, recent, out = jax.lax.switch(index, [over(r) for r in sizes], weights, state)
+        # The pool is written once, outside the switch (in place: the state is donated).
+        model = nnx.merge(graphdef, weights.params)
+        pages = model.unstage(state.cache, recent, rows.pos)
+        new = dataclasses.replace(rows, cache=pages)
+        return new, out, new.done
+
+    return generate_staged
 
 
 # ---------------------------------------------------------------------------- insert
@@ -244,13 +360,18 @@ def make_insert() -> Callable[[DecodeState, DecodeState, Array], DecodeState]:
 __all__ = [
     "NO_TOKEN",
     "PrefillFn",
+    "Staging",
     "Weights",
     "advance_rows",
     "decode_loop",
     "decode_step",
+    "leading_rows",
     "make_generate",
     "make_insert",
     "make_prefill",
     "prepare_weights",
+    "staged_step",
     "step_weight_bytes",
+    "with_leading_rows",
+    "writable",
 ]

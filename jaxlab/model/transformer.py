@@ -44,6 +44,7 @@ from jaxlab.config.schema import ModelConfig, PrecisionConfig
 from jaxlab.kernels import NO_SLOT, LayerCache
 from jaxlab.kernels.paged import Pages, max_pages_for, no_pages
 from jaxlab.kernels.rows import Rows
+from jaxlab.kernels.staged import StagedCache, stage
 from jaxlab.model.attention import Attention, Rope, rope_tables
 from jaxlab.model.layers import (
     INIT_STD,
@@ -58,10 +59,10 @@ from jaxlab.model.layers import (
 Array = jax.Array
 #: A contiguous decode cache: one kernel-layout cache per layer.
 Cache = tuple[LayerCache, ...]
-#: Either decode cache the cached mode takes.
-AnyCache = Cache | Pages
+#: Every decode cache the cached mode takes.
+AnyCache = Cache | Pages | StagedCache
 #: The cache type a cached call was given, and returns.
-C = TypeVar("C", Cache, Pages)
+C = TypeVar("C", Cache, Pages, StagedCache)
 
 
 class Block(nnx.Module):
@@ -359,8 +360,45 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ cached mode
 
+    def stage_pages(self, pages: Pages, max_len: int, steps: int, base: Array) -> StagedCache:
+        """Every row's pages staged into each layer's contiguous cache of ``max_len`` slots,
+        with room to record ``steps`` new positions per row from ``base [B]``
+        (:mod:`jaxlab.kernels.staged`). The cached mode then reads and writes the staged
+        caches; :meth:`unstage` puts what it wrote into the pages."""
+        self._check_depth(pages)
+        layers = [pages.layer(i) for i in range(len(self.blocks))]
+
+        def recent() -> tuple[Array, ...]:
+            return tuple(
+                jnp.zeros((pages.rows, steps, a.k.shape[0], a.k.shape[3]), a.k.dtype)
+                for a in layers
+            )
+
+        working = tuple(
+            stage(block.attn.kernel, layer, max_len)
+            for block, layer in zip(self.blocks, layers, strict=True)
+        )
+        return StagedCache(working, recent(), recent(), base)
+
+    def unstage(self, pages: Pages, staged: StagedCache, end: Array) -> Pages:
+        """``pages`` with the positions ``staged.base[b] .. end[b] - 1`` that the staged
+        calls recorded written through each row's table (one scatter per buffer)."""
+        steps = staged.recent_k[0].shape[1]
+        positions = staged.base[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+        positions = jnp.where(positions < end[:, None], positions, NO_SLOT)
+        pools = tuple(
+            block.attn.paged_kernel.write_at(pages.layer(i), k, v, positions).pool
+            for i, (block, k, v) in enumerate(
+                zip(self.blocks, staged.recent_k, staged.recent_v, strict=True)
+            )
+        )
+        return Pages(pools, pages.table)
+
     def _check_depth(self, cache: AnyCache) -> None:
-        depth = len(cache.pools) if isinstance(cache, Pages) else len(cache)
+        if isinstance(cache, StagedCache):
+            depth = len(cache.working)
+        else:
+            depth = len(cache.pools) if isinstance(cache, Pages) else len(cache)
         if depth != len(self.blocks):
             raise ValueError(f"cache has {depth} layers, model has {len(self.blocks)}")
 
@@ -379,7 +417,7 @@ class Transformer(nnx.Module):
         self._check_depth(cache)
         rows = rows or Rows.all(tokens.shape[0])
         x, rope = self.embed_inputs(tokens, positions)
-        if isinstance(cache, Pages):
+        if isinstance(cache, Pages | StagedCache):
             layers: list[LayerCache] = [cache.layer(i) for i in range(len(self.blocks))]
         else:
             layers = list(cache)
@@ -387,9 +425,17 @@ class Transformer(nnx.Module):
         for block, layer in zip(self.blocks, layers, strict=True):
             x, layer = block.cached(x, rope, layer, positions, rows)
             new.append(layer)
+        h = self.final_norm(x)
         if isinstance(cache, Pages):
-            return self.final_norm(x), Pages(tuple(layer.pool for layer in new), cache.table)
-        return self.final_norm(x), tuple(new)
+            return h, Pages(tuple(layer.pool for layer in new), cache.table)
+        if isinstance(cache, StagedCache):
+            return h, StagedCache(
+                tuple(layer.working for layer in new),
+                tuple(layer.recent_k for layer in new),
+                tuple(layer.recent_v for layer in new),
+                cache.base,
+            )
+        return h, tuple(new)
 
     def decode(
         self, tokens: Array, pos: Array, cache: C, *, rows: Rows | None = None

@@ -5,7 +5,8 @@ page size, the rows' lengths, and the fragmentation: page ids shuffled across th
 rows' pages interleaved, spare pages, a ``NO_PAGE`` tail), then both paged kernels
 attend from random positions; the result must equal the reference kernel over the same
 K/V laid out contiguously. Writes through ``NO_PAGE`` or at ``NO_SLOT`` must change
-nothing. Shapes are fixed per page size, so each kernel compiles a few programs and
+nothing. Staging (XLA:CPU's decode calls) must hold exactly the pages, and record exactly
+the call's positions. Shapes are fixed per page size, so each kernel compiles a few programs and
 hypothesis varies the data.
 """
 
@@ -21,11 +22,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxlab import kernels
-from jaxlab.kernels import NO_SLOT, PAGED_FOR, PAGED_KERNELS
+from jaxlab.kernels import KERNELS, NO_SLOT, PAGED_FOR, PAGED_KERNELS, blocked
 from jaxlab.kernels import paged as pg
 from jaxlab.kernels.masks import cache_mask
-from jaxlab.kernels.paged_xla import page_buckets
+from jaxlab.kernels.paged import page_buckets
 from jaxlab.kernels.reference import attention
+from jaxlab.kernels.staged import record, stage
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 PAGED = list(PAGED_KERNELS)
@@ -233,3 +235,42 @@ def test_every_kernel_has_a_paged_counterpart():
     pool = PAGED_KERNELS["paged_xla"].init_pool(5, 4, 2, D, jnp.bfloat16)
     assert pool.k.shape == (2, 5, 4, D) and pool.k.dtype == jnp.bfloat16
     assert pool.num_pages == 5 and pool.page_size == 4
+
+
+# ------------------------------------------------------------------------------ staging
+
+
+@functools.cache
+def stage_fn(name: str, max_len: int):
+    return jax.jit(lambda layer: KERNELS[name].to_bskd(stage(KERNELS[name], layer, max_len)))
+
+
+@pytest.mark.parametrize("name", ["xla_cpu", "reference"])
+@pytest.mark.parametrize("max_len", [48, 40])  # 40: blocks of 16, 16, 8 cross pages of 16
+def test_staging_holds_every_rows_pages_in_the_contiguous_layout(name, max_len):
+    """A staged contiguous cache equals the pages gathered position by position, for the
+    blocked layout read straight from the pool (blocks on page boundaries) and through
+    gather-then-fill (blocks across them, and the reference's layout)."""
+    rng = np.random.default_rng(3)
+    table, num_pages = page_table(rng, [40, 17, 33], 16, interleave=True)
+    pool = pool_of(num_pages, 16, 2, seed=4)
+    layer = pg.PagedLayer(pool.k, pool.v, jnp.asarray(table))
+    k, v = stage_fn(name, max_len)(layer)
+    want_k, want_v = pg.gather(layer)
+    assert k.shape == (B, max_len, 2, D)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(want_k)[:, :max_len])
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(want_v)[:, :max_len])
+    if name == "xla_cpu":
+        assert (blocked.from_pages(pool.k, pool.v, layer.table, max_len) is None) == (max_len == 40)
+
+
+def test_recording_keeps_the_calls_positions_and_drops_the_rest():
+    """Row 0 records from position 5 (a write at 7 lands at index 2), row 1 from 0, row 2
+    records nothing (base NO_SLOT); writes before a row's base or past its k slots drop."""
+    recent = jnp.zeros((3, 4, 1, 2))
+    new = jnp.ones((3, 2, 1, 2))
+    base = jnp.asarray([5, 0, NO_SLOT], jnp.int32)
+    got = np.asarray(record(recent, new, jnp.asarray([7, 3, 1], jnp.int32), base))[..., 0, 0]
+    np.testing.assert_array_equal(got, [[0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]])
+    early = np.asarray(record(recent, new, jnp.asarray([4, 3, 1], jnp.int32), base))[..., 0, 0]
+    np.testing.assert_array_equal(early[0], [1, 0, 0, 0])  # position 4 dropped, 5 kept
