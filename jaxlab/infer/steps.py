@@ -25,8 +25,7 @@ from jaxlab.infer.state import DecodeState
 from jaxlab.kernels import NO_SLOT
 from jaxlab.kernels.paged import PagedCache, Pages
 from jaxlab.kernels.rows import Rows, row_buckets
-from jaxlab.kernels.staged import StagedCache
-from jaxlab.model.transformer import C, Transformer
+from jaxlab.model.transformer import C, Cache, Transformer
 
 Array = jax.Array
 S = TypeVar("S")
@@ -199,10 +198,11 @@ def decode_step(
 @struct.dataclass
 class Staging:
     """The carry of a staged decode loop: the rows (their cache holds the table only: the
-    loop does not touch the pool) and the staged caches (:mod:`jaxlab.kernels.staged`)."""
+    loop does not touch the pool) and the staged contiguous cache
+    (:mod:`jaxlab.kernels.staged`)."""
 
     state: DecodeState
-    staged: StagedCache
+    cache: Cache
 
     @property
     def done(self) -> Array:
@@ -210,32 +210,16 @@ class Staging:
 
 
 def staged_step(
-    graphdef: nnx.GraphDef, weights: Weights, carry: Staging
+    graphdef: nnx.GraphDef, weights: Weights, carry: Staging, *, buckets: bool
 ) -> tuple[Staging, Array, Array]:
-    """:func:`decode_step` over staged caches, every row computed: attention reads the
-    staged contiguous caches in place, and each new K/V goes there and into the recent
-    K/V, except a done row's (its base hidden for the step)."""
+    """:func:`decode_step` against the staged contiguous cache: the contiguous cache's own
+    step, row buckets included (a done row writes into its own staged row only, which the
+    call never copies back)."""
     model = nnx.merge(graphdef, weights.params)
-    st, staged = carry.state, carry.staged
-    view = dataclasses.replace(staged, base=jnp.where(st.done, NO_SLOT, staged.base))
-    new, view, logits, emitted = _advance(model, weights, st, view, Rows.all(st.slots))
-    return Staging(new, dataclasses.replace(view, base=staged.base)), logits, emitted
-
-
-def leading_rows(st: DecodeState, r: int) -> DecodeState:
-    """The leading ``r`` rows of ``st``, their table rows and no pools."""
-    rows = jax.tree.map(lambda a: a[:r], dataclasses.replace(st, cache=()))
-    return dataclasses.replace(rows, cache=Pages((), st.table[:r]))
-
-
-def with_leading_rows(st: DecodeState, lead: DecodeState) -> DecodeState:
-    """``st``'s rows with the leading ones replaced by ``lead``'s (``st``'s cache kept)."""
-
-    def put(full: Array, part: Array) -> Array:
-        return jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
-
-    rows = jax.tree.map(put, dataclasses.replace(st, cache=()), dataclasses.replace(lead, cache=()))
-    return dataclasses.replace(rows, cache=st.cache)
+    st = carry.state
+    rows = Rows.up_to_last(~st.done, row_buckets(st.slots) if buckets else (st.slots,))
+    new, cache, logits, emitted = _advance(model, weights, st, carry.cache, rows)
+    return Staging(new, cache), logits, emitted
 
 
 def decode_loop(
@@ -270,11 +254,11 @@ def make_generate(
     """``generate(weights, state) -> (state, tokens i32[k, B], done bool[B])``: up to ``k``
     decode steps in one jitted loop. Jit it with the state donated (in-place pools).
 
-    ``staged`` (:attr:`~jaxlab.runtime.tuning.Tuning.staged_pages`): the call computes the
-    leading rows up to the last active one, rounded up to a row bucket with ``buckets``
-    (one ``lax.switch`` for the whole call: no row past them becomes active during it), and
-    stages those rows' pages into contiguous caches that its steps read
-    (:func:`staged_step`). Otherwise every step reads the pages (:func:`decode_step`)."""
+    ``staged`` (:attr:`~jaxlab.runtime.tuning.Tuning.staged_pages`): the call stages every
+    row's pages into a contiguous cache, runs the contiguous cache's steps against it
+    (:func:`staged_step`), and writes the positions they wrote into the pages after the
+    loop, in one scatter per buffer. Otherwise every step reads and writes the pages
+    (:func:`decode_step`)."""
     if not staged:
         step = functools.partial(decode_step, graphdef, buckets=buckets)
 
@@ -283,50 +267,17 @@ def make_generate(
 
         return generate
 
-    stepped = functools.partial(staged_step, graphdef)
-
-    def over(r: int) -> Callable[[Weights, DecodeState], tuple[DecodeState, StagedCache, Array]]:
-        def run(weights: Weights, state: DecodeState) -> tuple[DecodeState, StagedCache, Array]:
-            lead = leading_rows(state, r)
-            model = nnx.merge(graphdef, weights.params)
-            base = jnp.where(lead.done, NO_SLOT, lead.pos)
-            pages = Pages(state.cache.pools, lead.table)
-            staged = model.stage_pages(pages, state.max_len, k, base)
-            carry, out, _ = decode_loop(stepped, weights, Staging(lead, staged), k)
-            # Back to every row: the pool-free rows, the recent K/V (rows past r record
-            # nothing) and the tokens.
-            pad = state.slots - r
-            recent = dataclasses.replace(
-                carry.staged,
-                working=(),
-                recent_k=tuple(
-                    jnp.pad(a, [(0, pad), (0, 0), (0, 0), (0, 0)]) for a in carry.staged.recent_k
-                ),
-                recent_v=tuple(
-                    jnp.pad(a, [(0, pad), (0, 0), (0, 0), (0, 0)]) for a in carry.staged.recent_v
-                ),
-                base=jnp.pad(base, (0, pad), constant_values=NO_SLOT),
-            )
-            out = jnp.pad(out, ((0, 0), (0, pad)), constant_values=NO_TOKEN)
-            rows = with_leading_rows(
-                dataclasses.replace(state, cache=Pages((), state.table)), carry.state
-            )
-            return rows, recent, out
-
-        return run
+    stepped = functools.partial(staged_step, graphdef, buckets=buckets)
 
     def generate_staged(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
-        sizes = row_buckets(state.slots) if buckets else (state.slots,)
-        if len(sizes) == 1:
-            rows, recent, out = over(sizes[0])(weights, state)
-        else:
-            index = Rows.up_to_last(~state.done, sizes).index
-            rows, recent, out = jax.lax.switch(index, [over(r) for r in sizes], weights, state)
-        # The pool is written once, outside the switch (in place: the state is donated).
         model = nnx.merge(graphdef, weights.params)
-        pages = model.unstage(state.cache, recent, rows.pos)
-        new = dataclasses.replace(rows, cache=pages)
-        return new, out, new.done
+        start = jnp.where(state.done, NO_SLOT, state.pos)  # rows that write this call
+        cache = model.stage_pages(state.cache, state.max_len)
+        rows = dataclasses.replace(state, cache=Pages((), state.table))  # the loop's carry
+        carry, out, done = decode_loop(stepped, weights, Staging(rows, cache), k)
+        written = model.staged_writes(carry.cache, start, carry.state.pos, k)
+        pages = model.write_pages(state.cache, *written)  # the call's only pool write
+        return dataclasses.replace(carry.state, cache=pages), out, done
 
     return generate_staged
 
@@ -365,13 +316,11 @@ __all__ = [
     "advance_rows",
     "decode_loop",
     "decode_step",
-    "leading_rows",
     "make_generate",
     "make_insert",
     "make_prefill",
     "prepare_weights",
     "staged_step",
     "step_weight_bytes",
-    "with_leading_rows",
     "writable",
 ]

@@ -131,6 +131,27 @@ def from_pages(k_pool: Array, v_pool: Array, table: Array, max_len: int) -> Bloc
     return BlockedCache(blocks(k_pool), blocks(v_pool), n_kv)
 
 
+def read(cache: BlockedCache, positions: Array) -> tuple[Array, Array]:
+    """``(k, v) [B, T, K, D]`` at ``positions [B, T]`` (each below ``max_len``): a gather of
+    ``T`` slots per row and kv head from each block, the block holding each position
+    kept."""
+    b, t = positions.shape
+    n_kv = cache.n_kv
+    sizes = tuple(x.shape[1] for x in cache.k)
+    # Slot indices per row of the [B * K, block, D] blocks: (b, j) reads positions[b].
+    pos = jnp.repeat(positions, n_kv, axis=0)  # [B * K, T]
+
+    def one(blocks: tuple[Array, ...]) -> Array:
+        out = jnp.zeros((b * n_kv, t, blocks[0].shape[2]), blocks[0].dtype)
+        for at, n, blk in zip(block_starts(sizes), sizes, blocks, strict=True):
+            inside = (pos >= at) & (pos < at + n)
+            got = jnp.take_along_axis(blk, jnp.clip(pos - at, 0, n - 1)[:, :, None], axis=1)
+            out = jnp.where(inside[:, :, None], got, out)
+        return out.reshape(b, n_kv, t, -1).transpose(0, 2, 1, 3)
+
+    return one(cache.k), one(cache.v)
+
+
 def _write(blocks: tuple[Array, ...], new: Array, start: Array) -> tuple[Array, ...]:
     """``new [B, T, K, D]`` at slots ``start[b] + t``: one scatter per block. A slot in
     another block (or past the cache) gets an out-of-range index there, which
@@ -254,6 +275,7 @@ __all__ = [
     "from_pages",
     "init",
     "insert",
+    "read",
     "take_rows",
     "to_bskd",
     "write",

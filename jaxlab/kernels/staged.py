@@ -6,58 +6,34 @@ every layer, every step, where a contiguous cache is read in place; at a dozen r
 is as large as the weights a step reads (``docs/performance.md``). Staging pays it once per
 decode call instead:
 
-1. the call gathers each computed row's pages into the contiguous kernel's own cache
-   (:func:`stage`);
-2. every step reads that cache in place, as a contiguous cache is read, and writes its new
-   K/V there and into a small ``recent`` buffer of the call's ``k`` positions per row
-   (:class:`Staged`); the pool is not touched;
-3. after the last step the ``recent`` K/V go into the pages in one scatter per buffer
-   (:func:`jaxlab.kernels.paged.write_at`), and the staged cache is dropped.
+1. the call gathers each row's pages into the contiguous kernel's own cache (:func:`stage`);
+2. its steps are the contiguous cache's decode steps, unchanged: they read that cache in
+   place and write their new K/V into it; the pool is not touched;
+3. after the last step, the positions the call wrote are read back out of the contiguous
+   cache (:func:`written`) and written through the page table in one scatter per buffer,
+   and the contiguous cache is dropped.
 
 Between calls the decode state holds pages only; while a call runs it also holds a
-contiguous cache of its computed rows. The pool being only read during the loop matters
-too: the loop can then run inside a ``lax.switch`` (over row counts) without XLA copying
-the pool in and out of it.
+contiguous cache of its rows. Every row is staged, busy or not: a ``lax.switch`` over row
+counts around the whole loop, staging only the rows up to the last busy one, measured
+slower for a full batch than the copy it saves.
 
-Which platforms stage is a tuning choice (:attr:`jaxlab.runtime.tuning.Tuning.staged_pages`).
+A contiguous kernel may offer two shortcuts, used when present: ``from_pages(k_pool,
+v_pool, table, max_len)`` builds its cache straight from the pool (None: not for this
+shape), and ``read(cache, positions)`` reads a few positions back without converting the
+whole cache. Which platforms stage is a tuning choice
+(:attr:`jaxlab.runtime.tuning.Tuning.staged_pages`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from jaxlab.kernels.base import AttentionKernel, LayerCache
+from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache
 from jaxlab.kernels.paged import PagedLayer, gather
 
 Array = jax.Array
-
-
-@struct.dataclass
-class StagedLayer:
-    """One layer while staged: the contiguous cache the steps read and write, and this
-    call's new K/V, ``recent_k/v [B, k, K, D]``: index ``i`` holds position ``base[b] + i``
-    (``base[b] >= NO_SLOT``: the row records nothing)."""
-
-    working: LayerCache
-    recent_k: Array
-    recent_v: Array
-    base: Array
-
-
-@struct.dataclass
-class StagedCache:
-    """The model's cache while staged: per layer a contiguous cache and the recent K/V, and
-    the rows' first position of the call (shared by every layer)."""
-
-    working: tuple[LayerCache, ...]
-    recent_k: tuple[Array, ...]
-    recent_v: tuple[Array, ...]
-    base: Array
-
-    def layer(self, i: int) -> StagedLayer:
-        return StagedLayer(self.working[i], self.recent_k[i], self.recent_v[i], self.base)
 
 
 def stage(kernel: AttentionKernel, layer: PagedLayer, max_len: int) -> LayerCache:
@@ -65,10 +41,9 @@ def stage(kernel: AttentionKernel, layer: PagedLayer, max_len: int) -> LayerCach
     (a position without a page holds another page's values: nothing a query of the row may
     see, since the host gives an active row pages for every position it has written).
 
-    A kernel whose layout can be gathered from the pool directly offers ``from_pages(k_pool,
-    v_pool, table, max_len)`` (``xla_cpu``'s blocks: whole page rows, no transpose); the
-    others get :func:`~jaxlab.kernels.paged.gather` then ``fill``. Every page is read, not
-    only the ones some row has written yet: the cache is written whole either way."""
+    Every page is read, not only the ones some row has written yet: the cache is written
+    whole either way (zeros past the pages read), and a ``lax.switch`` over page counts
+    would copy its zeros out of the branch."""
     from_pages = getattr(kernel, "from_pages", None)
     if from_pages is not None:
         cache = from_pages(layer.k, layer.v, layer.table, max_len)
@@ -78,43 +53,27 @@ def stage(kernel: AttentionKernel, layer: PagedLayer, max_len: int) -> LayerCach
     return kernel.fill(k[:, :max_len], v[:, :max_len], max_len)
 
 
-def record(recent: Array, new: Array, start: Array, base: Array) -> Array:
-    """``new [B, T, K, D]`` of positions ``start[b] + t`` into ``recent [B, k, K, D]`` at
-    index ``start[b] + t - base[b]``; indices outside ``0 .. k - 1`` are dropped."""
-    b, t = new.shape[:2]
-    steps = recent.shape[1]
-    at = (start - base).astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    at = jnp.where((at >= 0) & (at < steps), at, steps)  # out of range: dropped
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    return recent.at[rows, at].set(new.astype(recent.dtype), mode="drop", unique_indices=True)
+def read(kernel: AttentionKernel, cache: LayerCache, positions: Array) -> tuple[Array, Array]:
+    """``(k, v) [B, T, K, D]`` at ``positions [B, T]`` (in range) of a contiguous cache."""
+    reader = getattr(kernel, "read", None)
+    if reader is not None:
+        return reader(cache, positions)
+    k, v = kernel.to_bskd(cache)
+    at = positions[:, :, None, None]
+    return jnp.take_along_axis(k, at, axis=1), jnp.take_along_axis(v, at, axis=1)
 
 
-class Staged:
-    """The cache methods over a :class:`StagedLayer`: the contiguous ``kernel``'s, and each
-    write also recorded in the layer's recent K/V."""
-
-    def __init__(self, kernel: AttentionKernel) -> None:
-        self.kernel = kernel
-        self.name = f"staged_{kernel.name}"
-
-    def write(self, cache: StagedLayer, k: Array, v: Array, start: Array) -> StagedLayer:
-        return StagedLayer(
-            self.kernel.write(cache.working, k, v, start),
-            record(cache.recent_k, k, start, cache.base),
-            record(cache.recent_v, v, start, cache.base),
-            cache.base,
-        )
-
-    def attend_cache(self, q: Array, cache: StagedLayer, positions: Array) -> Array:
-        return self.kernel.attend_cache(q, cache.working, positions)
-
-    def take_rows(self, cache: StagedLayer, r: int) -> StagedLayer:
-        return StagedLayer(
-            self.kernel.take_rows(cache.working, r),
-            cache.recent_k[:r],
-            cache.recent_v[:r],
-            cache.base[:r],
-        )
+def written(
+    kernel: AttentionKernel, cache: LayerCache, start: Array, end: Array, steps: int
+) -> tuple[Array, Array, Array]:
+    """What a staged call wrote, to put into the pages (:func:`~jaxlab.kernels.paged.write_at`):
+    ``(k, v [B, steps, K, D], positions [B, steps])`` for positions ``start[b] .. end[b] -
+    1`` of ``cache``, the others ``NO_SLOT`` (dropped); ``start >= NO_SLOT``: the row wrote
+    nothing."""
+    positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    wrote = (start[:, None] < NO_SLOT) & (positions < end[:, None])
+    k, v = read(kernel, cache, jnp.where(wrote, positions, 0))
+    return k, v, jnp.where(wrote, positions, NO_SLOT)
 
 
-__all__ = ["Staged", "StagedCache", "StagedLayer", "record", "stage"]
+__all__ = ["read", "stage", "written"]

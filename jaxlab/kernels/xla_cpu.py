@@ -90,6 +90,9 @@ class XlaCpu:
     ) -> BlockedCache | None:
         return blocked.from_pages(k_pool, v_pool, table, max_len)
 
+    def read(self, cache: BlockedCache, positions: Array) -> tuple[Array, Array]:
+        return blocked.read(cache, positions)
+
     def write(self, cache: BlockedCache, k: Array, v: Array, start: Array) -> BlockedCache:
         return blocked.write(cache, k, v, start)
 

@@ -19,7 +19,6 @@ from jax.typing import DTypeLike
 from jaxlab import kernels
 from jaxlab.kernels import AttentionKernel, LayerCache, PagedKernel
 from jaxlab.kernels.paged import PagedCache, PagedLayer
-from jaxlab.kernels.staged import Staged, StagedLayer
 from jaxlab.model.layers import INIT_STD, dense, normal_init, residual_std
 
 Array = jax.Array
@@ -102,14 +101,9 @@ class Attention(nnx.Module):
     def paged_kernel(self) -> PagedKernel:
         return kernels.PAGED_KERNELS[kernels.PAGED_FOR[self.kernel_name]]
 
-    def kernel_for(self, cache: LayerCache) -> AttentionKernel | PagedKernel | Staged:
-        """The kernel that reads ``cache``: the paged one for a :class:`PagedLayer`, the
-        contiguous one recording its writes for a :class:`~jaxlab.kernels.staged.StagedLayer`."""
-        if isinstance(cache, PagedLayer):
-            return self.paged_kernel
-        if isinstance(cache, StagedLayer):
-            return Staged(self.kernel)
-        return self.kernel
+    def kernel_for(self, cache: LayerCache) -> AttentionKernel | PagedKernel:
+        """The kernel that reads ``cache``: the paged one for a :class:`PagedLayer`."""
+        return self.paged_kernel if isinstance(cache, PagedLayer) else self.kernel
 
     def project(self, x: Array, rope: Rope | None) -> tuple[Array, Array, Array]:
         """``x [B, T, d_model]`` -> ``q [B, T, H, D]``, ``k, v [B, T, K, D]``, RoPE applied

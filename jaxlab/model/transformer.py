@@ -41,10 +41,9 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
-from jaxlab.kernels import NO_SLOT, LayerCache
+from jaxlab.kernels import NO_SLOT, LayerCache, staged
 from jaxlab.kernels.paged import Pages, max_pages_for, no_pages
 from jaxlab.kernels.rows import Rows
-from jaxlab.kernels.staged import StagedCache, stage
 from jaxlab.model.attention import Attention, Rope, rope_tables
 from jaxlab.model.layers import (
     INIT_STD,
@@ -60,9 +59,9 @@ Array = jax.Array
 #: A contiguous decode cache: one kernel-layout cache per layer.
 Cache = tuple[LayerCache, ...]
 #: Every decode cache the cached mode takes.
-AnyCache = Cache | Pages | StagedCache
+AnyCache = Cache | Pages
 #: The cache type a cached call was given, and returns.
-C = TypeVar("C", Cache, Pages, StagedCache)
+C = TypeVar("C", Cache, Pages)
 
 
 class Block(nnx.Module):
@@ -360,45 +359,42 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ cached mode
 
-    def stage_pages(self, pages: Pages, max_len: int, steps: int, base: Array) -> StagedCache:
-        """Every row's pages staged into each layer's contiguous cache of ``max_len`` slots,
-        with room to record ``steps`` new positions per row from ``base [B]``
-        (:mod:`jaxlab.kernels.staged`). The cached mode then reads and writes the staged
-        caches; :meth:`unstage` puts what it wrote into the pages."""
+    def stage_pages(self, pages: Pages, max_len: int) -> Cache:
+        """A contiguous cache of ``max_len`` slots (each layer in its kernel's layout)
+        holding every row's pages (:mod:`jaxlab.kernels.staged`): decode against it as
+        against any contiguous cache, then put what it wrote into the pages
+        (:meth:`staged_writes`, :meth:`write_pages`)."""
         self._check_depth(pages)
-        layers = [pages.layer(i) for i in range(len(self.blocks))]
-
-        def recent() -> tuple[Array, ...]:
-            return tuple(
-                jnp.zeros((pages.rows, steps, a.k.shape[0], a.k.shape[3]), a.k.dtype)
-                for a in layers
-            )
-
-        working = tuple(
-            stage(block.attn.kernel, layer, max_len)
-            for block, layer in zip(self.blocks, layers, strict=True)
+        return tuple(
+            staged.stage(block.attn.kernel, pages.layer(i), max_len)
+            for i, block in enumerate(self.blocks)
         )
-        return StagedCache(working, recent(), recent(), base)
 
-    def unstage(self, pages: Pages, staged: StagedCache, end: Array) -> Pages:
-        """``pages`` with the positions ``staged.base[b] .. end[b] - 1`` that the staged
-        calls recorded written through each row's table (one scatter per buffer)."""
-        steps = staged.recent_k[0].shape[1]
-        positions = staged.base[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-        positions = jnp.where(positions < end[:, None], positions, NO_SLOT)
+    def staged_writes(
+        self, cache: Cache, start: Array, end: Array, steps: int
+    ) -> tuple[tuple[Array, ...], tuple[Array, ...], Array]:
+        """What a decode call against a staged ``cache`` wrote, per layer: ``(k, v [B, steps,
+        K, D] per layer, positions [B, steps])``, positions ``start[b] .. end[b] - 1``
+        (others ``NO_SLOT``). :meth:`write_pages` puts them into the pages."""
+        out = [
+            staged.written(block.attn.kernel, layer, start, end, steps)
+            for block, layer in zip(self.blocks, cache, strict=True)
+        ]
+        return tuple(k for k, _, _ in out), tuple(v for _, v, _ in out), out[0][2]
+
+    def write_pages(
+        self, pages: Pages, k: tuple[Array, ...], v: tuple[Array, ...], positions: Array
+    ) -> Pages:
+        """``pages`` with each layer's ``k, v [B, T, K, D]`` written at ``positions [B, T]``
+        through the table (``>= NO_SLOT``: dropped); one scatter per buffer."""
         pools = tuple(
-            block.attn.paged_kernel.write_at(pages.layer(i), k, v, positions).pool
-            for i, (block, k, v) in enumerate(
-                zip(self.blocks, staged.recent_k, staged.recent_v, strict=True)
-            )
+            block.attn.paged_kernel.write_at(pages.layer(i), ki, vi, positions).pool
+            for i, (block, ki, vi) in enumerate(zip(self.blocks, k, v, strict=True))
         )
         return Pages(pools, pages.table)
 
     def _check_depth(self, cache: AnyCache) -> None:
-        if isinstance(cache, StagedCache):
-            depth = len(cache.working)
-        else:
-            depth = len(cache.pools) if isinstance(cache, Pages) else len(cache)
+        depth = len(cache.pools) if isinstance(cache, Pages) else len(cache)
         if depth != len(self.blocks):
             raise ValueError(f"cache has {depth} layers, model has {len(self.blocks)}")
 
@@ -417,7 +413,7 @@ class Transformer(nnx.Module):
         self._check_depth(cache)
         rows = rows or Rows.all(tokens.shape[0])
         x, rope = self.embed_inputs(tokens, positions)
-        if isinstance(cache, Pages | StagedCache):
+        if isinstance(cache, Pages):
             layers: list[LayerCache] = [cache.layer(i) for i in range(len(self.blocks))]
         else:
             layers = list(cache)
@@ -428,13 +424,6 @@ class Transformer(nnx.Module):
         h = self.final_norm(x)
         if isinstance(cache, Pages):
             return h, Pages(tuple(layer.pool for layer in new), cache.table)
-        if isinstance(cache, StagedCache):
-            return h, StagedCache(
-                tuple(layer.working for layer in new),
-                tuple(layer.recent_k for layer in new),
-                tuple(layer.recent_v for layer in new),
-                cache.base,
-            )
         return h, tuple(new)
 
     def decode(

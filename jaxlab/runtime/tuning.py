@@ -32,7 +32,7 @@ class Tuning:
     #: Decode only the leading rows up to the last active slot (a ``lax.switch`` over row
     #: counts): on XLA:CPU a step's time grows with its rows; on accelerators it barely does.
     row_buckets: bool = False
-    #: Decode from a contiguous copy of the computed rows' pages, made once per decode call
+    #: Decode from a contiguous copy of the rows' pages, made once per decode call
     #: (:mod:`jaxlab.kernels.staged`): XLA:CPU copies the pages a step reads before every
     #: step's dots otherwise. Costs a contiguous cache's memory while a call runs.
     staged_pages: bool = False

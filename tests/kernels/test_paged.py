@@ -5,8 +5,8 @@ page size, the rows' lengths, and the fragmentation: page ids shuffled across th
 rows' pages interleaved, spare pages, a ``NO_PAGE`` tail), then both paged kernels
 attend from random positions; the result must equal the reference kernel over the same
 K/V laid out contiguously. Writes through ``NO_PAGE`` or at ``NO_SLOT`` must change
-nothing. Staging (XLA:CPU's decode calls) must hold exactly the pages, and record exactly
-the call's positions. Shapes are fixed per page size, so each kernel compiles a few programs and
+nothing. Staging (XLA:CPU's decode calls) must hold exactly the pages, and read back
+exactly the positions a call wrote. Shapes are fixed per page size, so each kernel compiles a few programs and
 hypothesis varies the data.
 """
 
@@ -27,7 +27,7 @@ from jaxlab.kernels import paged as pg
 from jaxlab.kernels.masks import cache_mask
 from jaxlab.kernels.paged import page_buckets
 from jaxlab.kernels.reference import attention
-from jaxlab.kernels.staged import record, stage
+from jaxlab.kernels.staged import stage, written
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 PAGED = list(PAGED_KERNELS)
@@ -264,13 +264,21 @@ def test_staging_holds_every_rows_pages_in_the_contiguous_layout(name, max_len):
         assert (blocked.from_pages(pool.k, pool.v, layer.table, max_len) is None) == (max_len == 40)
 
 
-def test_recording_keeps_the_calls_positions_and_drops_the_rest():
-    """Row 0 records from position 5 (a write at 7 lands at index 2), row 1 from 0, row 2
-    records nothing (base NO_SLOT); writes before a row's base or past its k slots drop."""
-    recent = jnp.zeros((3, 4, 1, 2))
-    new = jnp.ones((3, 2, 1, 2))
-    base = jnp.asarray([5, 0, NO_SLOT], jnp.int32)
-    got = np.asarray(record(recent, new, jnp.asarray([7, 3, 1], jnp.int32), base))[..., 0, 0]
-    np.testing.assert_array_equal(got, [[0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]])
-    early = np.asarray(record(recent, new, jnp.asarray([4, 3, 1], jnp.int32), base))[..., 0, 0]
-    np.testing.assert_array_equal(early[0], [1, 0, 0, 0])  # position 4 dropped, 5 kept
+@pytest.mark.parametrize("name", ["xla_cpu", "reference"])
+def test_what_a_staged_call_wrote_is_read_back_for_the_pages(name):
+    """Positions ``start .. end - 1`` of each row come back out of the contiguous cache
+    (across the blocked layout's block edges at 24, 48, 72); a row that starts at NO_SLOT,
+    and positions from ``end`` on, come back as NO_SLOT."""
+    kern, rng, s = KERNELS[name], np.random.default_rng(11), 96
+    k_all, v_all = normal(rng, B, s, 2, D), normal(rng, B, s, 2, D)
+    cache = kern.fill(jnp.asarray(k_all), jnp.asarray(v_all), s)
+    start = jnp.asarray([22, 70, NO_SLOT], jnp.int32)
+    end = jnp.asarray([27, 72, 5], jnp.int32)
+    k, v, positions = jax.jit(written, static_argnums=(0, 4))(kern, cache, start, end, 6)
+    want = np.asarray([[22, 23, 24, 25, 26, NO_SLOT], [70, 71] + [NO_SLOT] * 4, [NO_SLOT] * 6])
+    np.testing.assert_array_equal(np.asarray(positions), want)
+    for b in range(2):
+        for i, p in enumerate(want[b]):
+            if p < NO_SLOT:
+                np.testing.assert_array_equal(np.asarray(k)[b, i], k_all[b, p])
+                np.testing.assert_array_equal(np.asarray(v)[b, i], v_all[b, p])
