@@ -7,6 +7,7 @@ client (completion with a stop string and usage, then an SSE stream).
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,8 @@ def test_train_and_generate_through_the_library(trained):
     lines = out.splitlines()
     assert lines[0].startswith("trained 150 steps: loss ")
     assert len(lines) == 4 and lines[1].startswith("'") and lines[2].startswith("'")
-    assert "'prefill': 1, 'insert': 1, 'generate': 1" in lines[3]
+    compiles = ast.literal_eval(lines[3].removeprefix("compiles: "))
+    assert compiles == {"prefill": 1, "insert": 1, "init_decode_state": 1, "generate": 1}
     assert (run_dir / "checkpoints" / "150").is_dir()
     assert (run_dir / "metrics.jsonl").is_file()
 

@@ -21,7 +21,8 @@ against these verbs alone, and the cache-free baseline
 Every jitted function is a :class:`ShapeKeyedJit`, so compiles are explicit, timed and
 counted (:attr:`Engine.compiles`): for a decode state of a given pool, ``prefill`` once
 per (length bucket, row bucket, from-start or not), ``generate`` once per (k, slots),
-``insert`` once per (prefix rows, slots); ``set_table`` never compiles.
+``insert`` once per (prefix rows, slots), ``init_decode_state`` once per (slots, pages);
+``set_table`` never compiles.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from jaxlab.infer.steps import (
     prepare_weights,
     step_weight_bytes,
 )
-from jaxlab.kernels.paged import Pages, max_pages_for
+from jaxlab.kernels.paged import PagedCache, Pages, max_pages_for
 from jaxlab.model import make_model, split_model
 from jaxlab.runtime import tuning
 from jaxlab.runtime.compiled import CompileTiming, ShapeKeyedJit
@@ -138,6 +139,7 @@ class Engine:
             make_insert(), name="insert", donate_argnums=(1,), warn_on_recompile=False
         )
         self._generate: dict[int, ShapeKeyedJit] = {}
+        self._zero_pools: dict[int, ShapeKeyedJit] = {}
         self._jitted: list[ShapeKeyedJit] = [*self._prefill.values(), self._insert]
         self._naive: NaiveEngine | None = None
 
@@ -267,22 +269,25 @@ class Engine:
     def init_decode_state(self, slots: int, num_pages: int | None = None) -> DecodeState:
         """A decode state of ``slots`` rows, every one empty (done), over a zero pool of
         ``num_pages`` pages (default :meth:`pool_pages`) and a table holding no page
-        (every entry ``NO_PAGE = num_pages``). Built from host arrays: no compile."""
+        (every entry ``NO_PAGE = num_pages``). The pools are zeroed on the device (compiled
+        once per pool: a memset is cheaper than copying host zeros); the rest comes from
+        host arrays."""
         n = self.pool_pages(slots) if num_pages is None else num_pages
         if n < 1:
             raise ValueError(f"a decode state needs at least one page, got num_pages={n}")
-        model = self._model
-        shapes = jax.eval_shape(lambda: model.init_pages(slots, n, self.page_size, self.max_len))
+        zeros = self._zero_pools.get(n)
+        if zeros is None:
+            model, ps, max_len = self._model, self.page_size, self.max_len
 
-        def zeros(a: jax.ShapeDtypeStruct) -> Array:  # host zeros: no per-shape compile
-            return put(np.zeros(a.shape, a.dtype))
+            def zero_pools(table: Array) -> tuple[PagedCache, ...]:
+                return model.init_pages(table.shape[0], n, ps, max_len).pools
 
+            zeros = self.track(ShapeKeyedJit(zero_pools, name="init_decode_state"))
+            self._zero_pools[n] = zeros
+        table = put(np.full((slots, self.max_pages), n, np.int32))
         # Distinct buffers everywhere: the state is donated, and a buffer may be donated once.
         return DecodeState(
-            cache=Pages(
-                jax.tree.map(zeros, shapes.pools),
-                put(np.full((slots, self.max_pages), n, np.int32)),
-            ),
+            cache=Pages(zeros(table), table),
             tokens=put(np.zeros((slots,), np.int32)),
             pos=put(np.zeros((slots,), np.int32)),
             generated=put(np.zeros((slots,), np.int32)),
@@ -383,7 +388,9 @@ class Engine:
         k = k or self.cfg.inference.stream_chunk_tokens
         fn = self._generate.get(k)
         if fn is None:
-            step = make_generate(self.graphdef, k, buckets=self.tuning.row_buckets)
+            step = make_generate(
+                self.graphdef, k, buckets=self.tuning.row_buckets, staged=self.tuning.staged_pages
+            )
             fn = self.track(ShapeKeyedJit(step, name="generate", donate_argnums=(1,)))
             self._generate[k] = fn
         return fn(self.weights(params), state)

@@ -18,12 +18,14 @@ from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jaxlab.infer.sampling import SamplingArrays, hits_stop, sample
 from jaxlab.infer.state import DecodeState
+from jaxlab.kernels import NO_SLOT
 from jaxlab.kernels.paged import PagedCache, Pages
 from jaxlab.kernels.rows import Rows, row_buckets
+from jaxlab.model.transformer import C, Cache, Transformer
 
 Array = jax.Array
 S = TypeVar("S")
@@ -138,26 +140,19 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
 # ---------------------------------------------------------------------------- decode
 
 
-def decode_step(
-    graphdef: nnx.GraphDef, weights: Weights, st: DecodeState, *, buckets: bool
-) -> tuple[DecodeState, Array, Array]:
-    """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
-
-    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V through the row's page table) and
-    samples the next token with key index ``st.generated``. With ``buckets``
-    (:mod:`jaxlab.kernels.rows`) only the leading rows up to the last active one are
-    computed, rounded up to a bucket; rows past them get zero logits. Done rows inside that
-    range compute but do not advance, and see a table without pages for this step, so
-    they write nothing: their pages may have gone to another row. Every done row's
-    ``emitted`` is :data:`NO_TOKEN`.
-    """
-    model = nnx.merge(graphdef, weights.params)
+def _advance(
+    model: Transformer,
+    weights: Weights,
+    st: DecodeState,
+    cache: C,
+    rows: Rows,
+) -> tuple[DecodeState, C, Array, Array]:
+    """The step both forms share: feed ``st.tokens`` at ``st.pos`` through ``cache`` (the
+    caller's view of the pages, with done rows' pages hidden), sample, advance the active
+    rows. Returns the state (its cache untouched), the new cache, logits and emitted."""
     active = ~st.done
-    rows = Rows.up_to_last(active, row_buckets(st.slots) if buckets else (st.slots,))
     pos = jnp.minimum(st.pos, st.max_len - 1)
-    pools, table = st.cache.pools, st.cache.table
-    writable = jnp.where(active[:, None], table, st.cache.num_pages)  # done rows: NO_PAGE
-    h, cache = model.decode(st.tokens, pos, Pages(pools, writable), rows=rows)
+    h, cache = model.decode(st.tokens, pos, cache, rows=rows)
 
     def head(r: int, h: Array, sp: SamplingArrays, generated: Array) -> tuple[Array, Array]:
         logits = model.logits(h[:r], weights.head)
@@ -167,13 +162,64 @@ def decode_step(
     generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
     new = dataclasses.replace(
         st,
-        cache=Pages(cache.pools, table),
         tokens=jnp.where(active, tok, st.tokens),
         pos=jnp.where(active, st.pos + 1, st.pos),
         generated=generated,
         done=done,
     )
-    return new, logits, jnp.where(active, tok, NO_TOKEN)
+    return new, cache, logits, jnp.where(active, tok, NO_TOKEN)
+
+
+def writable(st: DecodeState) -> Pages:
+    """The state's pages as a step may write them: done rows get no page (``NO_PAGE``), so
+    their writes are dropped; their pages may have gone to another row by now."""
+    table = jnp.where(st.done[:, None], st.cache.num_pages, st.cache.table)
+    return Pages(st.cache.pools, table)
+
+
+def decode_step(
+    graphdef: nnx.GraphDef, weights: Weights, st: DecodeState, *, buckets: bool
+) -> tuple[DecodeState, Array, Array]:
+    """One cached step for every row: ``(new state, logits f32[B, V], emitted i32[B])``.
+
+    Feeds ``st.tokens`` at ``st.pos`` (writing its K/V through the row's page table, reading
+    the pages through it) and samples the next token with key index ``st.generated``. With
+    ``buckets`` (:mod:`jaxlab.kernels.rows`) only the leading rows up to the last active one
+    are computed, rounded up to a bucket; rows past them get zero logits. Done rows inside
+    that range compute but do not advance, and write nothing (:func:`writable`). Every
+    done row's ``emitted`` is :data:`NO_TOKEN`.
+    """
+    model = nnx.merge(graphdef, weights.params)
+    rows = Rows.up_to_last(~st.done, row_buckets(st.slots) if buckets else (st.slots,))
+    new, cache, logits, emitted = _advance(model, weights, st, writable(st), rows)
+    return dataclasses.replace(new, cache=Pages(cache.pools, st.table)), logits, emitted
+
+
+@struct.dataclass
+class Staging:
+    """The carry of a staged decode loop: the rows (their cache holds the table only: the
+    loop does not touch the pool) and the staged contiguous cache
+    (:mod:`jaxlab.kernels.staged`)."""
+
+    state: DecodeState
+    cache: Cache
+
+    @property
+    def done(self) -> Array:
+        return self.state.done
+
+
+def staged_step(
+    graphdef: nnx.GraphDef, weights: Weights, carry: Staging, *, buckets: bool
+) -> tuple[Staging, Array, Array]:
+    """:func:`decode_step` against the staged contiguous cache: the contiguous cache's own
+    step, row buckets included (a done row writes into its own staged row only, which the
+    call never copies back)."""
+    model = nnx.merge(graphdef, weights.params)
+    st = carry.state
+    rows = Rows.up_to_last(~st.done, row_buckets(st.slots) if buckets else (st.slots,))
+    new, cache, logits, emitted = _advance(model, weights, st, carry.cache, rows)
+    return Staging(new, cache), logits, emitted
 
 
 def decode_loop(
@@ -203,16 +249,37 @@ def decode_loop(
 
 
 def make_generate(
-    graphdef: nnx.GraphDef, k: int, *, buckets: bool
+    graphdef: nnx.GraphDef, k: int, *, buckets: bool, staged: bool = False
 ) -> Callable[[Weights, DecodeState], tuple[DecodeState, Array, Array]]:
     """``generate(weights, state) -> (state, tokens i32[k, B], done bool[B])``: up to ``k``
-    decode steps in one jitted loop. Jit it with the state donated (in-place cache)."""
-    step = functools.partial(decode_step, graphdef, buckets=buckets)
+    decode steps in one jitted loop. Jit it with the state donated (in-place pools).
 
-    def generate(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
-        return decode_loop(step, weights, state, k)
+    ``staged`` (:attr:`~jaxlab.runtime.tuning.Tuning.staged_pages`): the call stages every
+    row's pages into a contiguous cache, runs the contiguous cache's steps against it
+    (:func:`staged_step`), and writes the positions they wrote into the pages after the
+    loop, in one scatter per buffer. Otherwise every step reads and writes the pages
+    (:func:`decode_step`)."""
+    if not staged:
+        step = functools.partial(decode_step, graphdef, buckets=buckets)
 
-    return generate
+        def generate(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
+            return decode_loop(step, weights, state, k)
+
+        return generate
+
+    stepped = functools.partial(staged_step, graphdef, buckets=buckets)
+
+    def generate_staged(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
+        model = nnx.merge(graphdef, weights.params)
+        start = jnp.where(state.done, NO_SLOT, state.pos)  # rows that write this call
+        cache = model.stage_pages(state.cache, state.max_len)
+        rows = dataclasses.replace(state, cache=Pages((), state.table))  # the loop's carry
+        carry, out, done = decode_loop(stepped, weights, Staging(rows, cache), k)
+        written = model.staged_writes(carry.cache, start, carry.state.pos, k)
+        pages = model.write_pages(state.cache, *written)  # the call's only pool write
+        return dataclasses.replace(carry.state, cache=pages), out, done
+
+    return generate_staged
 
 
 # ---------------------------------------------------------------------------- insert
@@ -244,6 +311,7 @@ def make_insert() -> Callable[[DecodeState, DecodeState, Array], DecodeState]:
 __all__ = [
     "NO_TOKEN",
     "PrefillFn",
+    "Staging",
     "Weights",
     "advance_rows",
     "decode_loop",
@@ -252,5 +320,7 @@ __all__ = [
     "make_insert",
     "make_prefill",
     "prepare_weights",
+    "staged_step",
     "step_weight_bytes",
+    "writable",
 ]

@@ -33,8 +33,10 @@ picks one thing:
 
 ``auto`` is resolved once, when the model is built, from the JAX backend
 (:func:`resolve`). Beside the kernels: :mod:`~jaxlab.kernels.masks` (who sees whom),
-:mod:`~jaxlab.kernels.reduce` (last-axis reductions, two-stage on XLA:CPU) and
-:mod:`~jaxlab.kernels.rows` (row buckets for XLA:CPU's decode step).
+:mod:`~jaxlab.kernels.reduce` (last-axis reductions, two-stage on XLA:CPU),
+:mod:`~jaxlab.kernels.rows` (row buckets for XLA:CPU's decode step) and
+:mod:`~jaxlab.kernels.staged` (pages copied into a contiguous cache for one decode call,
+XLA:CPU's way of reading them).
 """
 
 from __future__ import annotations

@@ -104,6 +104,10 @@ class PagedKernel(Protocol):
         """``k, v [B, T, K, D]`` at positions ``start[b] ..`` through each row's table."""
         ...
 
+    def write_at(self, cache: Any, k: Array, v: Array, positions: Array) -> Any:
+        """``k, v [B, T, K, D]`` at ``positions [B, T]`` (``>= NO_SLOT``: dropped)."""
+        ...
+
     def attend_cache(self, q: Array, cache: Any, positions: Array) -> Array:
         """``q [B, T, H, D]`` at ``positions [B, T]`` over each row's pages."""
         ...

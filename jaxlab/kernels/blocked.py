@@ -106,6 +106,52 @@ def fill(k: Array, v: Array, max_len: int) -> BlockedCache:
     return BlockedCache(f(k), f(v), k.shape[2])
 
 
+def from_pages(k_pool: Array, v_pool: Array, table: Array, max_len: int) -> BlockedCache | None:
+    """A cache of ``max_len`` slots holding each row's table pages, read straight from a
+    kv-head-major pool ``[K, num_pages, page_size, D]`` (:mod:`jaxlab.kernels.paged`): each
+    block is one gather of whole ``page_size x D`` rows, already in the block's
+    ``[B * K, block, D]`` order, so nothing is transposed. None when a block does not
+    start and end on page boundaries (the caller gathers and :func:`fill` s instead)."""
+    n_kv, num_pages, ps, d = k_pool.shape
+    b = table.shape[0]
+    sizes = cache_blocks(max_len)
+    if any(n % ps for n in sizes):
+        return None
+    pages = jnp.minimum(table, num_pages - 1)  # NO_PAGE: a position the row never shows
+    heads = jnp.arange(n_kv, dtype=jnp.int32)[None, :, None] * num_pages
+
+    def blocks(pool: Array) -> tuple[Array, ...]:
+        flat = pool.reshape(n_kv * num_pages, ps * d)
+        out = []
+        for at, n in zip(block_starts(sizes), sizes, strict=True):
+            rows = (heads + pages[:, None, at // ps : (at + n) // ps]).reshape(-1)  # (b, k, j)
+            out.append(jnp.take(flat, rows, axis=0, mode="clip").reshape(b * n_kv, n, d))
+        return tuple(out)
+
+    return BlockedCache(blocks(k_pool), blocks(v_pool), n_kv)
+
+
+def read(cache: BlockedCache, positions: Array) -> tuple[Array, Array]:
+    """``(k, v) [B, T, K, D]`` at ``positions [B, T]`` (each below ``max_len``): a gather of
+    ``T`` slots per row and kv head from each block, the block holding each position
+    kept."""
+    b, t = positions.shape
+    n_kv = cache.n_kv
+    sizes = tuple(x.shape[1] for x in cache.k)
+    # Slot indices per row of the [B * K, block, D] blocks: (b, j) reads positions[b].
+    pos = jnp.repeat(positions, n_kv, axis=0)  # [B * K, T]
+
+    def one(blocks: tuple[Array, ...]) -> Array:
+        out = jnp.zeros((b * n_kv, t, blocks[0].shape[2]), blocks[0].dtype)
+        for at, n, blk in zip(block_starts(sizes), sizes, blocks, strict=True):
+            inside = (pos >= at) & (pos < at + n)
+            got = jnp.take_along_axis(blk, jnp.clip(pos - at, 0, n - 1)[:, :, None], axis=1)
+            out = jnp.where(inside[:, :, None], got, out)
+        return out.reshape(b, n_kv, t, -1).transpose(0, 2, 1, 3)
+
+    return one(cache.k), one(cache.v)
+
+
 def _write(blocks: tuple[Array, ...], new: Array, start: Array) -> tuple[Array, ...]:
     """``new [B, T, K, D]`` at slots ``start[b] + t``: one scatter per block. A slot in
     another block (or past the cache) gets an out-of-range index there, which
@@ -226,8 +272,10 @@ __all__ = [
     "block_starts",
     "cache_blocks",
     "fill",
+    "from_pages",
     "init",
     "insert",
+    "read",
     "take_rows",
     "to_bskd",
     "write",

@@ -110,6 +110,33 @@ class Pages:
         return PagedLayer(pool.k, pool.v, self.table)
 
 
+#: The fewest positions read: shorter page counts would add branches for little saving.
+MIN_VISIBLE_TOKENS = 64
+
+
+def page_buckets(max_pages: int, page_size: int) -> tuple[int, ...]:
+    """The page counts a table is read in (a ``lax.switch`` picks the smallest that holds
+    every position some row can see): powers of two from ``MIN_VISIBLE_TOKENS`` worth of
+    pages up to half the table, then quarters of it (``(4, 8, 12, 16)`` for 16 pages of
+    16 tokens, ``(4, 8, 16, 32, 48, 64)`` for 64). Every page read is a copy on XLA:CPU (a
+    gather), so the long tail, where most steps of a long request fall, is cut finer than
+    powers of two would."""
+    smallest = max(1, -(-MIN_VISIBLE_TOKENS // page_size))
+    if smallest >= max_pages:
+        return (max_pages,)
+    out: list[int] = []
+    n = smallest
+    while n < max_pages / 2:
+        out.append(n)
+        n *= 2
+    quarter = max(1, max_pages // 4)
+    n = max(n, -(-max_pages // 2))
+    while n < max_pages:
+        out.append(n)
+        n += quarter
+    return (*sorted(set(out)), max_pages)
+
+
 def max_pages_for(max_len: int, page_size: int) -> int:
     """Table width: the pages one sequence of ``max_len`` tokens may hold."""
     return math.ceil(max_len / page_size)
@@ -146,12 +173,18 @@ def token_slots(table: Array, positions: Array, num_pages: int, page_size: int) 
 
 def write(layer: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
     """``k, v [B, T, K, D]`` of the tokens at positions ``start[b] .. start[b] + T - 1``
-    written through the table: one scatter per buffer into the flattened pages. Positions
-    without a page, or ``>= NO_SLOT``, are dropped. In place when the pool is donated;
-    indices are unique as long as no page is written by two rows (the host never lends a
-    page writable twice)."""
-    b, t, n_kv, d = k.shape
+    written through the table (:func:`write_at`)."""
+    t = k.shape[1]
     positions = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return write_at(layer, k, v, positions)
+
+
+def write_at(layer: PagedLayer, k: Array, v: Array, positions: Array) -> PagedLayer:
+    """``k, v [B, T, K, D]`` of the tokens at ``positions [B, T]``, written through the table:
+    one scatter per buffer into the flattened pages. Positions without a page, or ``>=
+    NO_SLOT``, are dropped. In place when the pool is donated; indices are unique as long
+    as no page is written by two rows (the host never lends a page writable twice)."""
+    b, t, n_kv, d = k.shape
     slots = token_slots(layer.table, positions, layer.num_pages, layer.page_size).reshape(-1)
     n_slots = layer.num_pages * layer.page_size
     total = n_kv * n_slots
@@ -219,6 +252,9 @@ class PagedLayout:
     def write(self, cache: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
         return write(cache, k, v, start)
 
+    def write_at(self, cache: PagedLayer, k: Array, v: Array, positions: Array) -> PagedLayer:
+        return write_at(cache, k, v, positions)
+
     def take_rows(self, cache: PagedLayer, r: int) -> PagedLayer:
         return take_rows(cache, r)
 
@@ -239,6 +275,7 @@ class PagedReference(PagedLayout):
 
 
 __all__ = [
+    "MIN_VISIBLE_TOKENS",
     "PagedCache",
     "PagedLayer",
     "PagedLayout",
@@ -248,9 +285,11 @@ __all__ = [
     "init_pool",
     "max_pages_for",
     "no_pages",
+    "page_buckets",
     "present_slots",
     "take_rows",
     "token_slots",
     "visible_slots",
     "write",
+    "write_at",
 ]

@@ -6,7 +6,7 @@ Two choices, both measured on XLA:CPU (``docs/performance.md``) and tested again
 
 * **The visible pages only.** A decode step is bound by the bytes it reads, and a table
   of ``max_pages`` pages is mostly empty early in a request. A ``lax.switch`` picks the
-  smallest of a few page counts (:func:`page_buckets`) that holds every query's
+  smallest of a few page counts (:func:`~jaxlab.kernels.paged.page_buckets`) that holds every query's
   position, as :mod:`jaxlab.kernels.xla` does for its visible prefix; the pages past it
   lie in every query's future, so the result equals attending over all of them.
 * **A row gather, then grouped dots over kv-head-major pages.** The pool is ``[K,
@@ -22,7 +22,9 @@ Two choices, both measured on XLA:CPU (``docs/performance.md``) and tested again
   pages per layer per step and ran several times slower.
 
 Softmax reductions run in two stages where the platform wants it
-(:mod:`jaxlab.kernels.reduce`).
+(:mod:`jaxlab.kernels.reduce`). The gather is still a copy of every page a step reads; on
+XLA:CPU the engine's decode calls avoid it by staging (:mod:`jaxlab.kernels.staged`), and
+this kernel reads pages in prefill's chunks and wherever pages are not staged.
 """
 
 from __future__ import annotations
@@ -34,35 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxlab.kernels.masks import MASK_VALUE
-from jaxlab.kernels.paged import PagedLayer, PagedLayout, visible_slots
+from jaxlab.kernels.paged import PagedLayer, PagedLayout, page_buckets, visible_slots
 from jaxlab.kernels.reduce import softmax_last
 
 Array = jax.Array
-
-#: The fewest positions read: shorter page counts would add branches for little saving.
-MIN_VISIBLE_TOKENS = 64
-
-
-def page_buckets(max_pages: int, page_size: int) -> tuple[int, ...]:
-    """The page counts a step may read: powers of two from ``MIN_VISIBLE_TOKENS`` worth of
-    pages up to half the table, then quarters of it (``(4, 8, 12, 16)`` for 16 pages of
-    16 tokens, ``(4, 8, 16, 32, 48, 64)`` for 64). Every page read is a copy here (the
-    gather), so the long tail, where most steps of a long request fall, is cut finer than
-    powers of two would."""
-    smallest = max(1, -(-MIN_VISIBLE_TOKENS // page_size))
-    if smallest >= max_pages:
-        return (max_pages,)
-    out: list[int] = []
-    n = smallest
-    while n < max_pages / 2:
-        out.append(n)
-        n *= 2
-    quarter = max(1, max_pages // 4)
-    n = max(n, -(-max_pages // 2))
-    while n < max_pages:
-        out.append(n)
-        n += quarter
-    return (*sorted(set(out)), max_pages)
 
 
 def attend_pages(q: Array, layer: PagedLayer, positions: Array, n: int) -> Array:
@@ -110,4 +87,4 @@ class PagedXla(PagedLayout):
         return jax.lax.switch(index, [over(n) for n in counts], q, cache, positions)
 
 
-__all__ = ["MIN_VISIBLE_TOKENS", "PagedXla", "attend_pages", "page_buckets"]
+__all__ = ["PagedXla", "attend_pages"]

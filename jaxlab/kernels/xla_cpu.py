@@ -85,6 +85,14 @@ class XlaCpu:
     def fill(self, k: Array, v: Array, max_len: int) -> BlockedCache:
         return blocked.fill(k, v, max_len)
 
+    def from_pages(
+        self, k_pool: Array, v_pool: Array, table: Array, max_len: int
+    ) -> BlockedCache | None:
+        return blocked.from_pages(k_pool, v_pool, table, max_len)
+
+    def read(self, cache: BlockedCache, positions: Array) -> tuple[Array, Array]:
+        return blocked.read(cache, positions)
+
     def write(self, cache: BlockedCache, k: Array, v: Array, start: Array) -> BlockedCache:
         return blocked.write(cache, k, v, start)
 

@@ -6,8 +6,10 @@ Stateful use (tests, notebooks)::
     logits = model(tokens, positions)                        # f32 [B, T, vocab]
     h, cache = model.prefill(tokens, positions, max_len=64)  # + every layer's K/V as a cache
     h, cache = model.decode(next_tokens, pos, cache)         # one token per row
-    pages = model.init_pages(rows=2, num_pages=8, page_size=16, max_len=64)
-    h, pages = model.extend(tokens, positions, pages)        # the same, through page tables
+    pages = model.init_pages(rows=2, num_pages=8, page_size=16, max_len=64)  # NO_PAGE table
+    pages = dataclasses.replace(pages, table=table)          # each row's pages (host-chosen)
+    h, pages = model.prefill_pages(tokens, positions, pages) # K/V into those pages
+    h, pages = model.decode(next_tokens, pos, pages)         # reads them through the table
     logits = model.logits(h)
 
 Pure functional use (trainers, the inference engine): split once, jit a function of arrays::

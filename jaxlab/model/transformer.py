@@ -41,7 +41,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
-from jaxlab.kernels import NO_SLOT, LayerCache
+from jaxlab.kernels import NO_SLOT, LayerCache, staged
 from jaxlab.kernels.paged import Pages, max_pages_for, no_pages
 from jaxlab.kernels.rows import Rows
 from jaxlab.model.attention import Attention, Rope, rope_tables
@@ -58,7 +58,7 @@ from jaxlab.model.layers import (
 Array = jax.Array
 #: A contiguous decode cache: one kernel-layout cache per layer.
 Cache = tuple[LayerCache, ...]
-#: Either decode cache the cached mode takes.
+#: Every decode cache the cached mode takes.
 AnyCache = Cache | Pages
 #: The cache type a cached call was given, and returns.
 C = TypeVar("C", Cache, Pages)
@@ -359,6 +359,40 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ cached mode
 
+    def stage_pages(self, pages: Pages, max_len: int) -> Cache:
+        """A contiguous cache of ``max_len`` slots (each layer in its kernel's layout)
+        holding every row's pages (:mod:`jaxlab.kernels.staged`): decode against it as
+        against any contiguous cache, then put what it wrote into the pages
+        (:meth:`staged_writes`, :meth:`write_pages`)."""
+        self._check_depth(pages)
+        return tuple(
+            staged.stage(block.attn.kernel, pages.layer(i), max_len)
+            for i, block in enumerate(self.blocks)
+        )
+
+    def staged_writes(
+        self, cache: Cache, start: Array, end: Array, steps: int
+    ) -> tuple[tuple[Array, ...], tuple[Array, ...], Array]:
+        """What a decode call against a staged ``cache`` wrote, per layer: ``(k, v [B, steps,
+        K, D] per layer, positions [B, steps])``, positions ``start[b] .. end[b] - 1``
+        (others ``NO_SLOT``). :meth:`write_pages` puts them into the pages."""
+        out = [
+            staged.written(block.attn.kernel, layer, start, end, steps)
+            for block, layer in zip(self.blocks, cache, strict=True)
+        ]
+        return tuple(k for k, _, _ in out), tuple(v for _, v, _ in out), out[0][2]
+
+    def write_pages(
+        self, pages: Pages, k: tuple[Array, ...], v: tuple[Array, ...], positions: Array
+    ) -> Pages:
+        """``pages`` with each layer's ``k, v [B, T, K, D]`` written at ``positions [B, T]``
+        through the table (``>= NO_SLOT``: dropped); one scatter per buffer."""
+        pools = tuple(
+            block.attn.paged_kernel.write_at(pages.layer(i), ki, vi, positions).pool
+            for i, (block, ki, vi) in enumerate(zip(self.blocks, k, v, strict=True))
+        )
+        return Pages(pools, pages.table)
+
     def _check_depth(self, cache: AnyCache) -> None:
         depth = len(cache.pools) if isinstance(cache, Pages) else len(cache)
         if depth != len(self.blocks):
@@ -387,9 +421,10 @@ class Transformer(nnx.Module):
         for block, layer in zip(self.blocks, layers, strict=True):
             x, layer = block.cached(x, rope, layer, positions, rows)
             new.append(layer)
+        h = self.final_norm(x)
         if isinstance(cache, Pages):
-            return self.final_norm(x), Pages(tuple(layer.pool for layer in new), cache.table)
-        return self.final_norm(x), tuple(new)
+            return h, Pages(tuple(layer.pool for layer in new), cache.table)
+        return h, tuple(new)
 
     def decode(
         self, tokens: Array, pos: Array, cache: C, *, rows: Rows | None = None

@@ -32,12 +32,16 @@ class Tuning:
     #: Decode only the leading rows up to the last active slot (a ``lax.switch`` over row
     #: counts): on XLA:CPU a step's time grows with its rows; on accelerators it barely does.
     row_buckets: bool = False
+    #: Decode from a contiguous copy of the rows' pages, made once per decode call
+    #: (:mod:`jaxlab.kernels.staged`): XLA:CPU copies the pages a step reads before every
+    #: step's dots otherwise. Costs a contiguous cache's memory while a call runs.
+    staged_pages: bool = False
 
 
 #: The reference forms: accelerators compile them well.
 REFERENCE = Tuning()
 #: XLA:CPU.
-CPU = Tuning(two_stage_reductions=True, transposed_head=True, row_buckets=True)
+CPU = Tuning(two_stage_reductions=True, transposed_head=True, row_buckets=True, staged_pages=True)
 
 
 def tuning_for(platform: str) -> Tuning:

@@ -11,6 +11,7 @@ baseline, for greedy and seeded sampling.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -210,6 +211,39 @@ def test_a_done_row_never_writes_into_pages_now_held_by_another_request():
     assert sorted(host.pool.pages(2)) == sorted(a_pages) and host.pool.free == 0
     host.drain(out)
     assert [out[0], out[1], out[2]] == expected
+
+
+# ------------------------------------------------------------- staged or read per step
+
+
+@functools.cache
+def unstaged_engine() -> Engine:
+    """main_engine's model with every decode step reading the pages (the accelerators'
+    form) instead of a staged contiguous copy (XLA:CPU's)."""
+    eng = make_engine(main_engine().cfg)
+    eng.tuning = dataclasses.replace(eng.tuning, staged_pages=False)
+    return eng
+
+
+def test_staged_decoding_equals_reading_the_pages_every_step():
+    """The same three requests (greedy and seeded, ragged) through a host loop of decode
+    chunks, once staged and once reading the pages every step, with a slot refilled
+    mid-flight (its freed pages reused): the same tokens."""
+    outs = []
+    for eng in (main_engine(), unstaged_engine()):
+        assert eng.tuning.staged_pages == (eng is main_engine())
+        reqs = [req([3, 1, 4], greedy(9)), req([2] * 20, sampled(5, 7)), req([8], greedy(3))]
+        host = Host(eng)
+        host.hold_all_but(6)
+        out = {s: [host.start(s, r, bucket=BUCKET)] for s, r in enumerate(reqs)}
+        while not host.step(out)[2]:
+            pass
+        host.finish(2)
+        finished = out.pop(2)
+        out[2] = [host.start(2, req([5, 6, 7, 8], sampled(9, 6)), bucket=BUCKET)]
+        host.drain(out)
+        outs.append((out, finished))
+    assert outs[0] == outs[1]
 
 
 # --------------------------------------------------------------------- the pool, the table

@@ -5,7 +5,8 @@ page size, the rows' lengths, and the fragmentation: page ids shuffled across th
 rows' pages interleaved, spare pages, a ``NO_PAGE`` tail), then both paged kernels
 attend from random positions; the result must equal the reference kernel over the same
 K/V laid out contiguously. Writes through ``NO_PAGE`` or at ``NO_SLOT`` must change
-nothing. Shapes are fixed per page size, so each kernel compiles a few programs and
+nothing. Staging (XLA:CPU's decode calls) must hold exactly the pages, and read back
+exactly the positions a call wrote. Shapes are fixed per page size, so each kernel compiles a few programs and
 hypothesis varies the data.
 """
 
@@ -21,11 +22,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxlab import kernels
-from jaxlab.kernels import NO_SLOT, PAGED_FOR, PAGED_KERNELS
+from jaxlab.kernels import KERNELS, NO_SLOT, PAGED_FOR, PAGED_KERNELS, blocked
 from jaxlab.kernels import paged as pg
 from jaxlab.kernels.masks import cache_mask
-from jaxlab.kernels.paged_xla import page_buckets
+from jaxlab.kernels.paged import page_buckets
 from jaxlab.kernels.reference import attention
+from jaxlab.kernels.staged import stage, written
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 PAGED = list(PAGED_KERNELS)
@@ -233,3 +235,50 @@ def test_every_kernel_has_a_paged_counterpart():
     pool = PAGED_KERNELS["paged_xla"].init_pool(5, 4, 2, D, jnp.bfloat16)
     assert pool.k.shape == (2, 5, 4, D) and pool.k.dtype == jnp.bfloat16
     assert pool.num_pages == 5 and pool.page_size == 4
+
+
+# ------------------------------------------------------------------------------ staging
+
+
+@functools.cache
+def stage_fn(name: str, max_len: int):
+    return jax.jit(lambda layer: KERNELS[name].to_bskd(stage(KERNELS[name], layer, max_len)))
+
+
+@pytest.mark.parametrize("name", ["xla_cpu", "reference"])
+@pytest.mark.parametrize("max_len", [48, 40])  # 40: blocks of 16, 16, 8 cross pages of 16
+def test_staging_holds_every_rows_pages_in_the_contiguous_layout(name, max_len):
+    """A staged contiguous cache equals the pages gathered position by position, for the
+    blocked layout read straight from the pool (blocks on page boundaries) and through
+    gather-then-fill (blocks across them, and the reference's layout)."""
+    rng = np.random.default_rng(3)
+    table, num_pages = page_table(rng, [40, 17, 33], 16, interleave=True)
+    pool = pool_of(num_pages, 16, 2, seed=4)
+    layer = pg.PagedLayer(pool.k, pool.v, jnp.asarray(table))
+    k, v = stage_fn(name, max_len)(layer)
+    want_k, want_v = pg.gather(layer)
+    assert k.shape == (B, max_len, 2, D)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(want_k)[:, :max_len])
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(want_v)[:, :max_len])
+    if name == "xla_cpu":
+        assert (blocked.from_pages(pool.k, pool.v, layer.table, max_len) is None) == (max_len == 40)
+
+
+@pytest.mark.parametrize("name", ["xla_cpu", "reference"])
+def test_what_a_staged_call_wrote_is_read_back_for_the_pages(name):
+    """Positions ``start .. end - 1`` of each row come back out of the contiguous cache
+    (across the blocked layout's block edges at 24, 48, 72); a row that starts at NO_SLOT,
+    and positions from ``end`` on, come back as NO_SLOT."""
+    kern, rng, s = KERNELS[name], np.random.default_rng(11), 96
+    k_all, v_all = normal(rng, B, s, 2, D), normal(rng, B, s, 2, D)
+    cache = kern.fill(jnp.asarray(k_all), jnp.asarray(v_all), s)
+    start = jnp.asarray([22, 70, NO_SLOT], jnp.int32)
+    end = jnp.asarray([27, 72, 5], jnp.int32)
+    k, v, positions = jax.jit(written, static_argnums=(0, 4))(kern, cache, start, end, 6)
+    want = np.asarray([[22, 23, 24, 25, 26, NO_SLOT], [70, 71] + [NO_SLOT] * 4, [NO_SLOT] * 6])
+    np.testing.assert_array_equal(np.asarray(positions), want)
+    for b in range(2):
+        for i, p in enumerate(want[b]):
+            if p < NO_SLOT:
+                np.testing.assert_array_equal(np.asarray(k)[b, i], k_all[b, p])
+                np.testing.assert_array_equal(np.asarray(v)[b, i], v_all[b, p])
