@@ -36,13 +36,12 @@ class StepRunner:
         import jax.numpy as jnp
         import numpy as np
 
-        from jaxlab.model import make_model, split_model
         from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
-        from jaxlab.train.step import init_state, make_train_step
+        from jaxlab.train.step import init_state, initial_params, make_train_step
 
         t = cfg.train
-        model = make_model(cfg.model, t.precision, seed=0, remat=t.remat)
-        graphdef, params = split_model(model)
+        graphdef, params = initial_params(cfg.model, t.precision, 0, remat=t.remat)
+        master = t.precision.master_dtype is not None
         tx = make_optimizer(t)
         step = make_train_step(
             graphdef,
@@ -62,7 +61,10 @@ class StepRunner:
             "segment_ids": jnp.ones((batch_size, seq), jnp.int32),
             "loss_mask": jnp.ones((batch_size, seq), jnp.float32),
         }
-        self.state = init_state(params, tx, 0)
+        self.state = init_state(
+            params, tx, 0, param_dtype=t.precision.param_dtype if master else None
+        )
+        del params
         self.tokens_per_step = batch_size * seq
 
     def compile(self) -> float:

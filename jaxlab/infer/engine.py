@@ -41,6 +41,7 @@ from jaxlab.infer.steps import (
     step_weight_bytes,
 )
 from jaxlab.model import make_model, split_model
+from jaxlab.model.transformer import unstack_params
 from jaxlab.runtime import tuning
 from jaxlab.runtime.compiled import CompileTiming, ShapeKeyedJit
 
@@ -92,6 +93,8 @@ class Engine:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, cfg: JaxlabConfig) -> None:
+        if cfg.model.scan_layers:  # decode the unrolled model: no per-step weight slices
+            graphdef, params = unstack_params(cfg.model, cfg.train.precision, params)
         self.graphdef = graphdef
         self.cfg = cfg
         self.platform: str = jax.default_backend()
@@ -135,13 +138,21 @@ class Engine:
 
     @params.setter
     def params(self, params: nnx.State) -> None:
-        self._params = params
-        self._weights = prepare_weights(self.graphdef, params, self.tuning.transposed_head)
+        self._params = self._unrolled(params)
+        self._weights = prepare_weights(self.graphdef, self._params, self.tuning.transposed_head)
+
+    def _unrolled(self, params: nnx.State) -> nnx.State:
+        """``params`` as the engine's unrolled model has them (a ``scan_layers`` model's
+        stacked blocks unstacked)."""
+        if "attn" in params["blocks"]:  # stacked: one block's fields, not layer indices
+            return unstack_params(self.cfg.model, self.cfg.train.precision, params)[1]
+        return params
 
     def weights(self, params: nnx.State | None = None) -> Weights:
         """What prefill and decode read: the engine's (prepared once) or ``params``'."""
         if params is None or params is self._params:
             return self._weights
+        params = self._unrolled(params)
         return prepare_weights(self.graphdef, params, self.tuning.transposed_head)
 
     @property

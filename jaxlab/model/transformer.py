@@ -21,6 +21,13 @@ Entry points, all on :class:`Transformer`:
   row against a cache: their K/V are written at slot = position, then they attend to the
   cache slots at or before their position.
 
+With ``model.scan_layers`` the blocks' parameters are stored stacked (one ``Block`` whose
+every parameter has a leading ``n_layers`` axis) and the sequence forward runs them as one
+``lax.scan``: XLA compiles one block instead of ``n_layers``. The stacked parameters are
+the unrolled model's, stacked (the same initialisation), and the function is the same.
+The cached modes read each layer's slice; the inference engine unstacks them once
+(:func:`unstack_params`), so decoding runs the unrolled model either way.
+
 The attention math and the cache layout belong to the kernel (``model.attention_impl``,
 :mod:`jaxlab.kernels`); nothing here depends on which one runs.
 """
@@ -37,6 +44,7 @@ from jax.typing import DTypeLike
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
 from jaxlab.kernels import NO_SLOT, LayerCache
 from jaxlab.kernels.rows import Rows
+from jaxlab.model import remat as remat_policies
 from jaxlab.model.attention import Attention, Rope, rope_tables
 from jaxlab.model.layers import (
     INIT_STD,
@@ -125,7 +133,7 @@ class Block(nnx.Module):
         return x, cache
 
 
-def _run_block_remat(
+def _run_block(
     graphdef: nnx.GraphDef[Block],
     state: nnx.State,
     x: Array,
@@ -137,9 +145,6 @@ def _run_block_remat(
     return nnx.merge(graphdef, state)(x, rope, segment_ids, key)
 
 
-_run_block_remat_ckpt = jax.checkpoint(_run_block_remat, static_argnums=(0,))
-
-
 class Transformer(nnx.Module):
     """Decoder-only Transformer language model (see module docstring and ``docs/model.md``).
 
@@ -147,9 +152,10 @@ class Transformer(nnx.Module):
       cfg: model shape, variant and attention kernel.
       precision: ``param_dtype`` (storage) and ``compute_dtype`` (matmul inputs).
       rngs: parameter initialisation keys (``rngs.params()`` is drawn per tensor).
-      remat: recompute each block's activations in the backward pass
-        (``jax.checkpoint`` per block) to trade FLOPs for memory. Can also be toggled later
-        via the ``remat`` attribute (before ``nnx.split``).
+      remat: the activation checkpointing policy of each block (``train.remat``, see
+        :mod:`jaxlab.model.remat`; ``True``/``False`` = ``"full"``/``"none"``): recompute
+        activations in the backward pass to trade FLOPs for memory. Can also be changed
+        later via the ``remat`` attribute (before ``nnx.split``).
     """
 
     def __init__(
@@ -158,7 +164,7 @@ class Transformer(nnx.Module):
         precision: PrecisionConfig,
         *,
         rngs: nnx.Rngs,
-        remat: bool = False,
+        remat: bool | str = False,
     ) -> None:
         if cfg.d_model % cfg.n_heads:
             raise ValueError(f"d_model={cfg.d_model} must be divisible by n_heads={cfg.n_heads}")
@@ -173,7 +179,9 @@ class Transformer(nnx.Module):
         self.tie_embeddings = cfg.tie_embeddings
         self.param_dtype = param_dtype
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = remat_policies.normalize(remat)
+        self.scan_layers = cfg.scan_layers
+        self.n_layers = cfg.n_layers
 
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, param_dtype=param_dtype, rngs=rngs)
         self.pos_embed = (
@@ -181,12 +189,18 @@ class Transformer(nnx.Module):
             if cfg.positions == "learned"
             else None
         )
-        self.blocks = nnx.List(
-            [
-                Block(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
-                for _ in range(cfg.n_layers)
-            ]
-        )
+        blocks = [
+            Block(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+            for _ in range(cfg.n_layers)
+        ]
+        if cfg.scan_layers:
+            # The unrolled blocks' parameters, stacked: the same initialisation either way.
+            graphdef, _ = nnx.split(blocks[0])
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in blocks))
+            # One Block, every parameter [n_layers, ...] (``layers()`` gives per-layer views).
+            self.blocks: Any = nnx.merge(graphdef, stacked)
+        else:
+            self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
         self.lm_head = (
             None
@@ -197,6 +211,22 @@ class Transformer(nnx.Module):
         )
 
     # ------------------------------------------------------------------ pieces
+
+    def layers(self) -> list[Block]:
+        """One :class:`Block` per layer. With ``scan_layers`` each is a view of its slice
+        of the stacked parameters (made on each call: a copy outside ``jit``)."""
+        if isinstance(self.blocks, Block):
+            graphdef, stacked = nnx.split(self.blocks)
+            return [
+                nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
+                for i in range(self.n_layers)
+            ]
+        return list(self.blocks)
+
+    @property
+    def first_block(self) -> Block:
+        """Layer 0's block, or the stacked one (for its static attributes: the kernel)."""
+        return self.blocks if isinstance(self.blocks, Block) else self.blocks[0]
 
     def embed_inputs(self, tokens: Array, positions: Array) -> tuple[Array, Rope | None]:
         """The first block's input ``x`` (token + learned position embeddings) and the RoPE
@@ -235,7 +265,8 @@ class Transformer(nnx.Module):
         """An all-zero decode cache (in the kernel's layout), stored in ``dtype`` (default:
         the compute dtype). ``max_len`` must not exceed ``max_seq_len`` for learned positions."""
         dtype = self.compute_dtype if dtype is None else dtype
-        return tuple(b.attn.init_cache(batch, max_len, dtype) for b in self.blocks)
+        attn = self.first_block.attn  # every layer's cache has the same shape
+        return tuple(attn.init_cache(batch, max_len, dtype) for _ in range(self.n_layers))
 
     # ------------------------------------------------------------------ sequence mode
 
@@ -245,22 +276,66 @@ class Transformer(nnx.Module):
         positions: Array,
         segment_ids: Array | None,
         dropout_key: Array | None,
+        *,
+        collect_kv: bool = False,
     ) -> tuple[Array, list[tuple[Array, Array]]]:
+        """Final-normed features and, with ``collect_kv``, every layer's ``(k, v)``."""
         if tokens.ndim != 2 or positions.shape != tokens.shape:
             raise ValueError(
                 f"tokens and positions must both be [B, T] (got {tokens.shape} and "
                 f"{positions.shape})"
             )
         x, rope = self.embed_inputs(tokens, positions)
+        if isinstance(self.blocks, Block):
+            return self._scan(x, rope, segment_ids, dropout_key, collect_kv)
         kvs = []
+        policy = remat_policies.normalize(self.remat)  # the attribute may be set to a bool
+        run = remat_policies.wrap(_run_block, policy, static_argnums=(0,))
         for i, block in enumerate(self.blocks):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-            if self.remat:
+            if policy != "none":
                 graphdef, state = nnx.split(block)
-                x, kv = _run_block_remat_ckpt(graphdef, state, x, rope, segment_ids, key)
+                x, kv = run(graphdef, state, x, rope, segment_ids, key)
             else:
                 x, kv = block(x, rope, segment_ids, key)
-            kvs.append(kv)
+            if collect_kv:
+                kvs.append(kv)
+        return self.final_norm(x), kvs
+
+    def _scan(
+        self,
+        x: Array,
+        rope: Rope | None,
+        segment_ids: Array | None,
+        dropout_key: Array | None,
+        collect_kv: bool,
+    ) -> tuple[Array, list[tuple[Array, Array]]]:
+        """The blocks as one ``lax.scan`` over the stacked parameters (``scan_layers``)."""
+        assert isinstance(self.blocks, Block)
+        graphdef, stacked = nnx.split(self.blocks)
+        layer_ids = jnp.arange(self.n_layers)
+        # The unrolled loop's keys: fold_in(key, layer).
+        keys = (
+            None
+            if dropout_key is None
+            else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(layer_ids)
+        )
+        policy = remat_policies.normalize(self.remat)
+        run = remat_policies.wrap(_run_block, policy, static_argnums=(0,), prevent_cse=False)
+
+        def body(
+            x: Array, xs: tuple[nnx.State, Array | None]
+        ) -> tuple[Array, tuple[Array, Array] | None]:
+            state, key = xs
+            x, kv = run(graphdef, state, x, rope, segment_ids, key)
+            return x, (kv if collect_kv else None)
+
+        x, stacked_kv = jax.lax.scan(body, x, (stacked, keys))
+        kvs = []
+        if collect_kv:
+            assert stacked_kv is not None
+            ks, vs = stacked_kv
+            kvs = [(ks[i], vs[i]) for i in range(self.n_layers)]
         return self.final_norm(x), kvs
 
     def features(
@@ -306,12 +381,9 @@ class Transformer(nnx.Module):
         prompts' K/V in slots ``0 .. T-1``. Padding K/V lies in each row's future, so it is
         never visible, and decoding overwrites it.
         """
-        h, kvs = self._sequence(tokens, positions, None, None)
-        cache = tuple(
-            block.attn.kernel.fill(k, v, max_len)
-            for block, (k, v) in zip(self.blocks, kvs, strict=True)
-        )
-        return h, cache
+        h, kvs = self._sequence(tokens, positions, None, None, collect_kv=True)
+        kernel = self.first_block.attn.kernel  # one kernel for every layer
+        return h, tuple(kernel.fill(k, v, max_len) for k, v in kvs)
 
     # ------------------------------------------------------------------ cached mode
 
@@ -326,12 +398,12 @@ class Transformer(nnx.Module):
         others write nothing and come out as zeros. Jit with the cache donated so the
         writes happen in place.
         """
-        if len(cache) != len(self.blocks):
-            raise ValueError(f"cache has {len(cache)} layers, model has {len(self.blocks)}")
+        if len(cache) != self.n_layers:
+            raise ValueError(f"cache has {len(cache)} layers, model has {self.n_layers}")
         rows = rows or Rows.all(tokens.shape[0])
         x, rope = self.embed_inputs(tokens, positions)
         new = []
-        for block, layer in zip(self.blocks, cache, strict=True):
+        for block, layer in zip(self.layers(), cache, strict=True):
             x, layer = block.cached(x, rope, layer, positions, rows)
             new.append(layer)
         return self.final_norm(x), tuple(new)
@@ -349,10 +421,26 @@ class Transformer(nnx.Module):
 
 
 def make_model(
-    cfg: ModelConfig, precision: PrecisionConfig, seed: int, *, remat: bool = False
+    cfg: ModelConfig, precision: PrecisionConfig, seed: int, *, remat: bool | str = False
 ) -> Transformer:
     """Build a :class:`Transformer` with parameters initialised from ``seed``."""
     return Transformer(cfg, precision, rngs=nnx.Rngs(params=seed), remat=remat)
+
+
+def unstack_params(
+    cfg: ModelConfig, precision: PrecisionConfig, params: nnx.State
+) -> tuple[nnx.GraphDef[Transformer], nnx.State]:
+    """A ``scan_layers`` model's ``params`` as the unrolled model's ``(graphdef, params)``:
+    layer ``i``'s block gets slice ``i`` of every stacked parameter (a copy, made once).
+    The inference engine decodes with these, so a step reads each layer's weights as
+    they are, never through a slice."""
+    flat = cfg.model_copy(update={"scan_layers": False})
+    graphdef, template = split_model(nnx.eval_shape(lambda: make_model(flat, precision, 0)))
+    pure = nnx.to_pure_dict(params)
+    stacked = pure.pop("blocks")
+    pure["blocks"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.n_layers)}
+    nnx.replace_by_pure_dict(template, pure)
+    return graphdef, template
 
 
 def split_model(model: Transformer) -> tuple[nnx.GraphDef[Transformer], nnx.State]:
@@ -380,4 +468,12 @@ def apply(
     return nnx.merge(graphdef, params)(tokens, positions, **kwargs)
 
 
-__all__ = ["Block", "Cache", "Transformer", "apply", "make_model", "split_model"]
+__all__ = [
+    "Block",
+    "Cache",
+    "Transformer",
+    "apply",
+    "make_model",
+    "split_model",
+    "unstack_params",
+]

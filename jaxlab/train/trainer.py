@@ -30,7 +30,7 @@ from jaxlab.checkpoint import Checkpointer, Restored
 from jaxlab.config import JaxlabConfig
 from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
 from jaxlab.data.cache import default_cache_dir
-from jaxlab.model import flops_per_token, make_model, split_model
+from jaxlab.model import flops_per_token
 from jaxlab.parallel import build_mesh, check_model_fits, describe_mesh, place_batch
 from jaxlab.parallel.distributed import barrier, is_primary
 from jaxlab.parallel.rules import state_shardings
@@ -43,6 +43,7 @@ from jaxlab.train.step import (
     TrainState,
     abstract_like,
     init_state,
+    initial_params,
     make_eval_step,
     make_train_step,
 )
@@ -178,7 +179,7 @@ class Trainer:
         barrier("jaxlab-run-dir-checked")
         if new_run and self.primary:
             self.run_dir.create(cfg)
-        elif not new_run and self.run_dir.config_path.read_text() != run_identity(cfg):
+        elif not new_run and not self.run_dir.holds(cfg):
             raise ValueError(
                 f"{self.run_dir.path} holds a different config; use a new --run-dir or "
                 f"'jaxlab resume --run-dir {self.run_dir.path}'"
@@ -204,17 +205,21 @@ class Trainer:
             jax.process_count(),
         )
         t = cfg.train
-        model = make_model(cfg.model, t.precision, seed=cfg.runtime.seed, remat=t.remat)
-        self.graphdef, params = split_model(model)
+        # The initial params are the master weights when those are on (init_state rounds).
+        self.graphdef, params = initial_params(
+            cfg.model, t.precision, cfg.runtime.seed, remat=t.remat
+        )
+        master = t.precision.master_dtype is not None
         self.schedule = learning_rate_schedule(t)
         self.tx = make_optimizer(t)
         # Sharding is a value: the mesh and the state's shardings decide the parallelism;
         # the step below is the same code for 1 device, N devices and N processes.
         self.mesh = build_mesh(cfg.parallel)
         check_model_fits(cfg.model, self.mesh)
-        self.state_shardings = state_shardings(params, self.tx, self.mesh)
+        self.state_shardings = state_shardings(params, self.tx, self.mesh, master=master)
+        param_dtype = t.precision.param_dtype if master else None
         self.state: TrainState = jax.jit(
-            lambda p: init_state(p, self.tx, cfg.runtime.seed),
+            lambda p: init_state(p, self.tx, cfg.runtime.seed, param_dtype=param_dtype),
             out_shardings=self.state_shardings,
         )(params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
