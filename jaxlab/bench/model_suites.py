@@ -68,9 +68,45 @@ class StepRunner:
         self.tokens_per_step = batch_size * seq
 
     def compile(self) -> float:
+        """Trace, lower and compile the step; returns the total seconds (:attr:`stages`)."""
         t0 = time.perf_counter()
-        self.compiled = self.jitted.lower(self.state, self.batch).compile()
-        return time.perf_counter() - t0
+        traced = self.jitted.trace(self.state, self.batch)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        self.compiled = lowered.compile()
+        t3 = time.perf_counter()
+        self.stages = {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2}
+        return t3 - t0
+
+    def memory(self) -> dict[str, Any]:
+        """What the compiled step needs (XLA's buffer assignment: arguments, outputs not
+        aliased to donated arguments, temporaries), and the device's peak so far."""
+        import jax
+
+        out: dict[str, Any] = {}
+        try:
+            ma = self.compiled.memory_analysis()
+        except Exception:  # not every backend reports it
+            ma = None
+        if ma is not None:
+            arg, res = ma.argument_size_in_bytes, ma.output_size_in_bytes
+            alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
+            peak = getattr(ma, "peak_memory_in_bytes", 0) or arg + res - alias + temp
+            out |= {
+                "step_memory_bytes": peak,
+                "step_argument_bytes": arg,
+                "step_temp_bytes": temp,
+            }
+        try:
+            stats = jax.local_devices()[0].memory_stats()
+        except Exception:
+            stats = None
+        if stats:
+            # The process's peak since it started (no per-case reset exists): it only grows.
+            out["device_peak_bytes_so_far"] = stats.get("peak_bytes_in_use")
+            out["device_bytes_limit"] = stats.get("bytes_limit")
+        return out
 
     def __call__(self) -> Any:
         self.state, metrics = self.compiled(self.state, self.batch)

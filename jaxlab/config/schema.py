@@ -403,12 +403,42 @@ class BenchConfig(Section):
     )
     serve_url: str | None = Field(
         default=None,
-        pattern=r"^https?://",
+        pattern=r"^(https?://|unix:.)",
         description=(
             "A running server for the 'serve' suite to load instead of the ones it starts"
-            " (its sweep and Poisson cases; no slot comparison). `jaxlab bench serve --url`."
+            " (its sweep and Poisson cases; no slot comparison): http(s)://HOST:PORT[/prefix],"
+            " or unix:PATH for one on a unix socket (`jaxlab serve --uds PATH`)."
+            " `jaxlab bench serve --url`."
         ),
     )
+    train_variants: list[str] | None = Field(
+        default=None,
+        description=(
+            "The 'knobs' suite's cases: each a space-separated list of section.field=value"
+            " overrides of this config ('' = the config as it is), one record each. Unset:"
+            " the preset itself, then one knob changed at a time (remat policies, scan over"
+            " layers, param precision, batch and accumulation)."
+        ),
+    )
+
+    @field_validator("train_variants")
+    @classmethod
+    def _variants(cls, variants: list[str] | None) -> list[str] | None:
+        for v in variants or []:
+            for item in v.split():
+                key, sep, _ = item.partition("=")
+                if not sep or "." not in key:
+                    raise ValueError(
+                        f"expected space-separated section.field=value items (got {item!r}"
+                        f" in {v!r})"
+                    )
+                if key.startswith("runtime.") or key.startswith("bench."):
+                    raise ValueError(
+                        f"{key} cannot vary between the cases of one run (XLA reads its flags"
+                        " once per process; the runtime and bench sections are the run's):"
+                        " run the suite once per value instead"
+                    )
+        return variants
 
 
 class JaxlabConfig(Section):

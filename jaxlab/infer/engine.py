@@ -160,6 +160,12 @@ class Engine:
         """Bytes of weights each decode step reads (:func:`~jaxlab.infer.steps.step_weight_bytes`)."""
         return step_weight_bytes(self.graphdef, self._weights)
 
+    @property
+    def cache_bytes_per_slot(self) -> int:
+        """Bytes of one slot's KV cache (every layer's K and V, ``max_len`` positions, in
+        the kernel's layout)."""
+        return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(self._empty_cache))
+
     # ------------------------------------------------------------------ facts
 
     @property
