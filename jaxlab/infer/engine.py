@@ -41,7 +41,7 @@ from jaxlab.infer.steps import (
     step_weight_bytes,
 )
 from jaxlab.model import make_model, split_model
-from jaxlab.model.transformer import unstack_params
+from jaxlab.model.transformer import is_stacked, unstack_params
 from jaxlab.runtime import tuning
 from jaxlab.runtime.compiled import CompileTiming, ShapeKeyedJit
 
@@ -144,7 +144,7 @@ class Engine:
     def _unrolled(self, params: nnx.State) -> nnx.State:
         """``params`` as the engine's unrolled model has them (a ``scan_layers`` model's
         stacked blocks unstacked)."""
-        if "attn" in params["blocks"]:  # stacked: one block's fields, not layer indices
+        if is_stacked(params):
             return unstack_params(self.cfg.model, self.cfg.train.precision, params)[1]
         return params
 

@@ -21,19 +21,13 @@ Entry points, all on :class:`Transformer`:
   row against a cache: their K/V are written at slot = position, then they attend to the
   cache slots at or before their position.
 
-With ``model.scan_layers`` the blocks' parameters are stored stacked (one ``Block`` whose
-every parameter has a leading ``n_layers`` axis) and the sequence forward runs them as one
-``lax.scan``: XLA compiles one block instead of ``n_layers``. The stacked parameters are
-the unrolled model's, stacked (the same initialisation), and the function is the same.
-The cached modes read each layer's slice; the inference engine unstacks them once
-(:func:`unstack_params`), so decoding runs the unrolled model either way.
-
 The attention math and the cache layout belong to the kernel (``model.attention_impl``,
 :mod:`jaxlab.kernels`); nothing here depends on which one runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -145,6 +139,37 @@ def _run_block(
     return nnx.merge(graphdef, state)(x, rope, segment_ids, key)
 
 
+class StackedBlocks(nnx.Module):
+    """The blocks of a ``model.scan_layers`` model: one :class:`Block` (``stacked``) whose
+    every parameter has a leading ``n_layers`` axis, made by stacking the unrolled blocks'
+    parameters (so both initialise alike).
+
+    It reads as a list of blocks: ``len``, indexing and iteration give per-layer views
+    (each parameter's slice ``i``; a copy outside ``jit``), so code written against a list
+    of blocks (the cached modes, caches and kernels per layer) works on it unchanged. The
+    sequence forward scans ``stacked`` instead (:meth:`Transformer._sequence`), and the
+    inference engine unstacks the parameters once (:func:`unstack_params`).
+    """
+
+    def __init__(self, blocks: list[Block]) -> None:
+        graphdef, _ = nnx.split(blocks[0])
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in blocks))
+        self.n_layers = len(blocks)
+        self.stacked = nnx.merge(graphdef, stacked)
+
+    def __len__(self) -> int:
+        return self.n_layers
+
+    def __getitem__(self, i: int) -> Block:
+        if not -self.n_layers <= i < self.n_layers:
+            raise IndexError(f"layer {i} of {self.n_layers}")
+        graphdef, stacked = nnx.split(self.stacked)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+
+    def __iter__(self) -> Iterator[Block]:
+        return (self[i] for i in range(self.n_layers))
+
+
 class Transformer(nnx.Module):
     """Decoder-only Transformer language model (see module docstring and ``docs/model.md``).
 
@@ -156,6 +181,10 @@ class Transformer(nnx.Module):
         :mod:`jaxlab.model.remat`; ``True``/``False`` = ``"full"``/``"none"``): recompute
         activations in the backward pass to trade FLOPs for memory. Can also be changed
         later via the ``remat`` attribute (before ``nnx.split``).
+
+    With ``cfg.scan_layers`` the blocks are a :class:`StackedBlocks` and the sequence
+    forward runs them as one ``lax.scan``: XLA compiles one block instead of ``n_layers``,
+    for the same function.
     """
 
     def __init__(
@@ -180,8 +209,6 @@ class Transformer(nnx.Module):
         self.param_dtype = param_dtype
         self.compute_dtype = compute_dtype
         self.remat = remat_policies.normalize(remat)
-        self.scan_layers = cfg.scan_layers
-        self.n_layers = cfg.n_layers
 
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, param_dtype=param_dtype, rngs=rngs)
         self.pos_embed = (
@@ -193,14 +220,9 @@ class Transformer(nnx.Module):
             Block(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
             for _ in range(cfg.n_layers)
         ]
-        if cfg.scan_layers:
-            # The unrolled blocks' parameters, stacked: the same initialisation either way.
-            graphdef, _ = nnx.split(blocks[0])
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in blocks))
-            # One Block, every parameter [n_layers, ...] (``layers()`` gives per-layer views).
-            self.blocks: Any = nnx.merge(graphdef, stacked)
-        else:
-            self.blocks = nnx.List(blocks)
+        self.blocks: nnx.List[Block] | StackedBlocks = (
+            StackedBlocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+        )
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
         self.lm_head = (
             None
@@ -211,22 +233,6 @@ class Transformer(nnx.Module):
         )
 
     # ------------------------------------------------------------------ pieces
-
-    def layers(self) -> list[Block]:
-        """One :class:`Block` per layer. With ``scan_layers`` each is a view of its slice
-        of the stacked parameters (made on each call: a copy outside ``jit``)."""
-        if isinstance(self.blocks, Block):
-            graphdef, stacked = nnx.split(self.blocks)
-            return [
-                nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
-                for i in range(self.n_layers)
-            ]
-        return list(self.blocks)
-
-    @property
-    def first_block(self) -> Block:
-        """Layer 0's block, or the stacked one (for its static attributes: the kernel)."""
-        return self.blocks if isinstance(self.blocks, Block) else self.blocks[0]
 
     def embed_inputs(self, tokens: Array, positions: Array) -> tuple[Array, Rope | None]:
         """The first block's input ``x`` (token + learned position embeddings) and the RoPE
@@ -265,8 +271,7 @@ class Transformer(nnx.Module):
         """An all-zero decode cache (in the kernel's layout), stored in ``dtype`` (default:
         the compute dtype). ``max_len`` must not exceed ``max_seq_len`` for learned positions."""
         dtype = self.compute_dtype if dtype is None else dtype
-        attn = self.first_block.attn  # every layer's cache has the same shape
-        return tuple(attn.init_cache(batch, max_len, dtype) for _ in range(self.n_layers))
+        return tuple(b.attn.init_cache(batch, max_len, dtype) for b in self.blocks)
 
     # ------------------------------------------------------------------ sequence mode
 
@@ -276,20 +281,21 @@ class Transformer(nnx.Module):
         positions: Array,
         segment_ids: Array | None,
         dropout_key: Array | None,
-        *,
-        collect_kv: bool = False,
+        collect_kv: bool = True,
     ) -> tuple[Array, list[tuple[Array, Array]]]:
-        """Final-normed features and, with ``collect_kv``, every layer's ``(k, v)``."""
+        """Final-normed features and every layer's ``(k, v)`` (with ``collect_kv``; the
+        features alone need none, which matters only to the scan)."""
         if tokens.ndim != 2 or positions.shape != tokens.shape:
             raise ValueError(
                 f"tokens and positions must both be [B, T] (got {tokens.shape} and "
                 f"{positions.shape})"
             )
         x, rope = self.embed_inputs(tokens, positions)
-        if isinstance(self.blocks, Block):
-            return self._scan(x, rope, segment_ids, dropout_key, collect_kv)
-        kvs = []
         policy = remat_policies.normalize(self.remat)  # the attribute may be set to a bool
+        if isinstance(self.blocks, StackedBlocks):
+            x, kvs = self._scan(self.blocks, x, rope, segment_ids, dropout_key, policy, collect_kv)
+            return self.final_norm(x), kvs
+        kvs = []
         run = remat_policies.wrap(_run_block, policy, static_argnums=(0,))
         for i, block in enumerate(self.blocks):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
@@ -298,29 +304,28 @@ class Transformer(nnx.Module):
                 x, kv = run(graphdef, state, x, rope, segment_ids, key)
             else:
                 x, kv = block(x, rope, segment_ids, key)
-            if collect_kv:
-                kvs.append(kv)
+            kvs.append(kv)
         return self.final_norm(x), kvs
 
+    @staticmethod
     def _scan(
-        self,
+        blocks: StackedBlocks,
         x: Array,
         rope: Rope | None,
         segment_ids: Array | None,
         dropout_key: Array | None,
+        policy: str,
         collect_kv: bool,
     ) -> tuple[Array, list[tuple[Array, Array]]]:
-        """The blocks as one ``lax.scan`` over the stacked parameters (``scan_layers``)."""
-        assert isinstance(self.blocks, Block)
-        graphdef, stacked = nnx.split(self.blocks)
-        layer_ids = jnp.arange(self.n_layers)
-        # The unrolled loop's keys: fold_in(key, layer).
+        """The blocks as one ``lax.scan`` over the stacked parameters (``scan_layers``):
+        ``(x, every layer's (k, v) if collect_kv else [])``. Dropout folds each layer's
+        index into the key, as the unrolled loop does."""
+        graphdef, stacked = nnx.split(blocks.stacked)
         keys = (
             None
             if dropout_key is None
-            else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(layer_ids)
+            else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(jnp.arange(len(blocks)))
         )
-        policy = remat_policies.normalize(self.remat)
         run = remat_policies.wrap(_run_block, policy, static_argnums=(0,), prevent_cse=False)
 
         def body(
@@ -328,15 +333,13 @@ class Transformer(nnx.Module):
         ) -> tuple[Array, tuple[Array, Array] | None]:
             state, key = xs
             x, kv = run(graphdef, state, x, rope, segment_ids, key)
-            return x, (kv if collect_kv else None)
+            return x, (kv if collect_kv else None)  # unused K/V: no [L, B, T, ...] buffer
 
         x, stacked_kv = jax.lax.scan(body, x, (stacked, keys))
-        kvs = []
-        if collect_kv:
-            assert stacked_kv is not None
-            ks, vs = stacked_kv
-            kvs = [(ks[i], vs[i]) for i in range(self.n_layers)]
-        return self.final_norm(x), kvs
+        if not collect_kv or stacked_kv is None:
+            return x, []
+        ks, vs = stacked_kv
+        return x, [(ks[i], vs[i]) for i in range(len(blocks))]
 
     def features(
         self,
@@ -358,7 +361,7 @@ class Transformer(nnx.Module):
         The training loss uses this with :func:`jaxlab.model.loss.head_cross_entropy`, so
         the ``[B, T, vocab]`` logits are never materialised.
         """
-        return self._sequence(tokens, positions, segment_ids, dropout_key)[0]
+        return self._sequence(tokens, positions, segment_ids, dropout_key, collect_kv=False)[0]
 
     def __call__(
         self,
@@ -381,9 +384,12 @@ class Transformer(nnx.Module):
         prompts' K/V in slots ``0 .. T-1``. Padding K/V lies in each row's future, so it is
         never visible, and decoding overwrites it.
         """
-        h, kvs = self._sequence(tokens, positions, None, None, collect_kv=True)
-        kernel = self.first_block.attn.kernel  # one kernel for every layer
-        return h, tuple(kernel.fill(k, v, max_len) for k, v in kvs)
+        h, kvs = self._sequence(tokens, positions, None, None)
+        cache = tuple(
+            block.attn.kernel.fill(k, v, max_len)
+            for block, (k, v) in zip(self.blocks, kvs, strict=True)
+        )
+        return h, cache
 
     # ------------------------------------------------------------------ cached mode
 
@@ -398,12 +404,12 @@ class Transformer(nnx.Module):
         others write nothing and come out as zeros. Jit with the cache donated so the
         writes happen in place.
         """
-        if len(cache) != self.n_layers:
-            raise ValueError(f"cache has {len(cache)} layers, model has {self.n_layers}")
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"cache has {len(cache)} layers, model has {len(self.blocks)}")
         rows = rows or Rows.all(tokens.shape[0])
         x, rope = self.embed_inputs(tokens, positions)
         new = []
-        for block, layer in zip(self.layers(), cache, strict=True):
+        for block, layer in zip(self.blocks, cache, strict=True):
             x, layer = block.cached(x, rope, layer, positions, rows)
             new.append(layer)
         return self.final_norm(x), tuple(new)
@@ -427,6 +433,11 @@ def make_model(
     return Transformer(cfg, precision, rngs=nnx.Rngs(params=seed), remat=remat)
 
 
+def is_stacked(params: nnx.State) -> bool:
+    """Whether ``params`` are a ``scan_layers`` model's (stacked blocks)."""
+    return "stacked" in params["blocks"]
+
+
 def unstack_params(
     cfg: ModelConfig, precision: PrecisionConfig, params: nnx.State
 ) -> tuple[nnx.GraphDef[Transformer], nnx.State]:
@@ -437,7 +448,7 @@ def unstack_params(
     flat = cfg.model_copy(update={"scan_layers": False})
     graphdef, template = split_model(nnx.eval_shape(lambda: make_model(flat, precision, 0)))
     pure = nnx.to_pure_dict(params)
-    stacked = pure.pop("blocks")
+    stacked = pure["blocks"]["stacked"]
     pure["blocks"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.n_layers)}
     nnx.replace_by_pure_dict(template, pure)
     return graphdef, template
@@ -468,12 +479,4 @@ def apply(
     return nnx.merge(graphdef, params)(tokens, positions, **kwargs)
 
 
-__all__ = [
-    "Block",
-    "Cache",
-    "Transformer",
-    "apply",
-    "make_model",
-    "split_model",
-    "unstack_params",
-]
+__all__ = ["Block", "Cache", "Transformer", "apply", "make_model", "split_model"]

@@ -18,7 +18,7 @@ from jaxlab.infer.offline import generate
 from jaxlab.infer.request import Request
 from jaxlab.model import make_model, split_model
 from jaxlab.model.remat import POLICIES
-from jaxlab.model.transformer import unstack_params
+from jaxlab.model.transformer import StackedBlocks, is_stacked, unstack_params
 from jaxlab.parallel.rules import _names, logical_axes
 from jaxlab.train.step import token_losses
 
@@ -95,7 +95,7 @@ def test_scan_over_layers_is_the_unrolled_model(policy, precision):
     # The same initialisation: the scanned model's blocks are the unrolled ones, stacked.
     flat_graph, flat = unstack_params(scan_cfg, precision, stacked)
     assert_trees_close(flat, params, rtol=0, atol=0)
-    leaf = stacked["blocks"]["attn"]["w_qkv"][...]
+    leaf = stacked["blocks"]["stacked"]["attn"]["w_qkv"][...]
     assert leaf.shape == (cfg.n_layers, *params["blocks"][0]["attn"]["w_qkv"][...].shape)
 
     tol = 1e-5 if precision.compute_dtype == "float32" else 2e-2
@@ -123,6 +123,13 @@ def test_scan_prefill_and_decode_match_the_unrolled_model():
     cfg = tiny()
     ref = make_model(cfg, F32, seed=0)
     scanned = make_model(cfg.model_copy(update={"scan_layers": True}), F32, seed=0)
+    # The stacked blocks read as a list of blocks: per-layer views of the same values.
+    assert isinstance(scanned.blocks, StackedBlocks) and len(scanned.blocks) == cfg.n_layers
+    for view, block in zip(scanned.blocks, ref.blocks, strict=True):
+        assert_trees_close(nnx.state(view), nnx.state(block), rtol=0, atol=0)
+    assert scanned.blocks[-1].attn.kernel_name == ref.blocks[0].attn.kernel_name
+    with pytest.raises(IndexError):
+        scanned.blocks[cfg.n_layers]
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 8)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
     h0, c0 = ref.prefill(tokens, positions, 16)
@@ -141,7 +148,7 @@ def test_an_engine_decodes_a_scan_model_unrolled():
     scan_cfg = load_config("tiny", [*sets, "model.scan_layers=true"], environ={})
     ref, eng = Engine.from_config(ref_cfg, seed=0), Engine.from_config(scan_cfg, seed=0)
     # The engine unstacks once: its params are the unrolled model's, layer by layer.
-    assert "attn" not in eng.params["blocks"]
+    assert not is_stacked(eng.params)
     assert_trees_close(eng.params, ref.params, rtol=0, atol=0)
     sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     reqs = [Request.create([5, 6, 7, 8], sp, ref.limits())]
@@ -155,7 +162,7 @@ def test_stacked_params_get_a_replicated_layer_axis():
     axes = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(scanned, nnx.Param)):
         axes["/".join(_names(path))] = logical_axes(path, tuple(leaf.shape))
-    assert axes["blocks/attn/w_qkv"] == ("layers", "embed", "qkv")
-    assert axes["blocks/mlp/w_down"] == ("layers", "mlp", "embed")
-    assert axes["blocks/attn_norm/scale"] == ("layers", "norm")
+    assert axes["blocks/stacked/attn/w_qkv"] == ("layers", "embed", "qkv")
+    assert axes["blocks/stacked/mlp/w_down"] == ("layers", "mlp", "embed")
+    assert axes["blocks/stacked/attn_norm/scale"] == ("layers", "norm")
     assert axes["embed/table"] == ("vocab", "embed")
