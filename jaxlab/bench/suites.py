@@ -46,10 +46,10 @@ BUILTIN_SUITE_MODULES: tuple[str, ...] = (
     "jaxlab.bench.tokenizer_suite",
     "jaxlab.bench.compile",
     "jaxlab.bench.model_suites",
-    "jaxlab.bench.knobs",
     "jaxlab.bench.infer_suites",
     "jaxlab.bench.peer_suite",
     "jaxlab.bench.serve_suite",
+    "jaxlab.bench.knobs",
 )
 # CLI subcommand names a suite may not take (``peak`` is both, on purpose).
 RESERVED_NAMES = frozenset({"run", "compare", "report", "list", "results"})

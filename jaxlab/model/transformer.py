@@ -27,7 +27,6 @@ The attention math and the cache layout belong to the kernel (``model.attention_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -166,7 +165,7 @@ class StackedBlocks(nnx.Module):
         graphdef, stacked = nnx.split(self.stacked)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self):  # -> Iterator[Block], as inferred
         return (self[i] for i in range(self.n_layers))
 
 
