@@ -162,9 +162,12 @@ class Engine:
 
     @property
     def cache_bytes_per_slot(self) -> int:
-        """Bytes of one slot's KV cache (every layer's K and V, ``max_len`` positions, in
-        the kernel's layout)."""
-        return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(self._empty_cache))
+        """Bytes of one slot's KV cache: every layer's K and V at ``max_len`` positions, in
+        the cache's dtype (the compute dtype). Every kernel's layout holds exactly these
+        (none pads), so this is from the config alone."""
+        m = self.cfg.model
+        itemsize = jax.numpy.dtype(self.compute_dtype).itemsize
+        return 2 * m.n_layers * m.n_kv_heads * m.head_dim * itemsize * self.max_len
 
     # ------------------------------------------------------------------ facts
 

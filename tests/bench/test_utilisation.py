@@ -150,3 +150,20 @@ def test_mfu_records_validate_and_keep_both_denominators(tmp_path):
     ctx.emit(rec)
     line = (tmp_path / RECORDS_FILENAME).read_text().splitlines()[-1]
     assert '"mfu_datasheet"' in line and '"mfu_measured"' in line and '"mfu_basis"' in line
+
+
+@pytest.mark.parametrize("impl", ["xla_cpu", "xla_tpu", "xla", "reference"])
+def test_a_slots_cache_bytes_are_what_each_kernel_allocates(impl):
+    import jax
+    from flax import nnx
+
+    from jaxlab.config import load_config
+    from jaxlab.infer import Engine
+
+    sets = [f"model.attention_impl={impl}", "train.precision.compute_dtype=bfloat16"]
+    engine = Engine.from_config(load_config("tiny", sets, environ={}))
+    model = nnx.merge(engine.graphdef, engine.params)
+    cache = jax.eval_shape(lambda: model.init_cache(1, engine.max_len))
+    assert engine.cache_bytes_per_slot == sum(
+        a.size * a.dtype.itemsize for a in jax.tree.leaves(cache)
+    )
