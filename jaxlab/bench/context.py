@@ -7,9 +7,13 @@ to ``records.jsonl`` the moment it is yielded, so a crash later loses nothing al
 measured. Every environment field (git, versions, devices, cpu, config hash, run id,
 timestamp) is filled by the context, never by the suite.
 
-MFU: :meth:`BenchContext.mfu` divides model FLOPs/s by the matmul peak measured **in this
-run** (the ``peak`` suite's record for the matching dtype); if this run has not measured
-the peak yet, the context runs the ``peak`` suite first, once.
+MFU: :meth:`BenchContext.mfu` divides model FLOPs/s by two peaks and names each: the
+device's datasheet peak for the dtype where one is known (:mod:`jaxlab.runtime.datasheet`),
+and the best matmul peak measured **in this run** (the ``peak`` suite's records for the
+dtype); the headline ``mfu`` is the datasheet's where there is one. If this run has not
+measured the peak yet, the context runs the ``peak`` suite first, once.
+:meth:`BenchContext.bandwidth` does the same for bytes moved per second, against the
+datasheet's memory bandwidth and the run's best copy.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from jaxlab.bench.timing import Samples, block_until_ready, describe_error, meas
 
 if TYPE_CHECKING:
     from jaxlab.config import JaxlabConfig
+    from jaxlab.runtime.datasheet import Datasheet
 
 Better = Literal["lower", "higher"]
 Derive = Callable[[Stats], Mapping[str, Any]]
@@ -61,7 +66,7 @@ class NullReporter:
 
 
 def mfu(model_flops_per_s: float, peak_gflops: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved model FLOPs/s over the measured peak (GFLOP/s)."""
+    """Model FLOPs utilisation: achieved model FLOPs/s over a peak (GFLOP/s)."""
     if peak_gflops is None or peak_gflops <= 0 or not math.isfinite(model_flops_per_s):
         return None
     return model_flops_per_s / (peak_gflops * 1e9)
@@ -90,6 +95,9 @@ class BenchContext:
     reporter: Reporter = field(default_factory=NullReporter)
     records: list[Record] = field(default_factory=list)
     suite: str = ""
+    #: ``jaxlab bench --profile``: each measured case also gets one untimed call under
+    #: ``jax.profiler`` (:meth:`profile_call`), its trace under ``<run_dir>/profile/``.
+    profile: bool = False
     _peak_attempted: bool = False
     _runner: Callable[[BenchContext, str], list[Record]] | None = None
 
@@ -205,7 +213,33 @@ class BenchContext:
                 derived = derive(stats)
             except Exception as e:
                 samples.error = f"computing derived figures: {describe_error(e)}"
+        if samples.ok and self.profile:
+            derived = {**derived, **self.profile_call(fn, metric, sync=sync)}
         return self.record(metric, unit, samples, case=case, derived=derived)
+
+    def profile_call(
+        self, fn: Callable[[], Any], metric: str, *, sync: Callable[[Any], Any] = block_until_ready
+    ) -> dict[str, Any]:
+        """One more call of ``fn``, untimed, under ``jax.profiler`` (``--profile``).
+
+        The trace goes to ``<run_dir>/profile/<NNN>-<suite>-<metric>/`` (``NNN``: the index
+        its record will have in ``records.jsonl``); returns ``{"profile": that path,
+        relative to the run dir}``, or ``{"profile_error": ...}`` if tracing failed, which
+        leaves the measurement (taken before, without the profiler) as it is.
+        """
+        import jax
+
+        rel = Path("profile") / f"{len(self.records):03d}-{self.suite}-{metric}"
+        self.status(f"profiling {metric}")
+        try:
+            jax.profiler.start_trace(str(self.run_dir / rel), create_perfetto_trace=True)
+            try:
+                sync(fn())
+            finally:
+                jax.profiler.stop_trace()
+        except Exception as e:
+            return {"profile_error": describe_error(e)}
+        return {"profile": str(rel)}
 
     def emit(self, record: Record) -> Record:
         """Write one record (append-only) and show it; suites normally just yield."""
@@ -216,46 +250,121 @@ class BenchContext:
 
     # ------------------------------------------------------------------ peak and MFU
 
-    def peak_gflops(self, dtype: str = "float32") -> float | None:
-        """The matmul peak (GFLOP/s) measured in this run, running ``peak`` once if needed."""
-        from jaxlab.bench.peak import PEAK_SUITE, peak_gflops
+    def _ensure_peak(self) -> None:
+        """Run the ``peak`` suite once in this run if nothing has measured it yet."""
+        from jaxlab.bench.peak import PEAK_SUITE
 
-        found = peak_gflops(self.records, dtype)
         if (
-            found is None
-            and not self._peak_attempted
+            not self._peak_attempted
             and self._runner is not None
             and not any(r.suite == PEAK_SUITE for r in self.records)
         ):
             self._peak_attempted = True
             self._runner(self, PEAK_SUITE)
+
+    def peak_gflops(self, dtype: str = "float32") -> float | None:
+        """The best matmul peak (GFLOP/s) measured in this run, running ``peak`` once if
+        needed."""
+        from jaxlab.bench.peak import peak_gflops
+
+        found = peak_gflops(self.records, dtype)
+        if found is None:
+            self._ensure_peak()
             found = peak_gflops(self.records, dtype)
         return found
+
+    @property
+    def datasheet(self) -> Datasheet | None:
+        """The datasheet of this run's device kind, or None (every CPU)."""
+        from jaxlab.runtime.datasheet import datasheet_for
+
+        return datasheet_for(str(self.env.devices.get("kind")))
 
     def mfu(
         self, model_flops_per_s: float, *, dtype: str = "float32", devices: int = 1
     ) -> dict[str, Any]:
-        """``{"mfu", "mfu_peak_gflops", "mfu_peak_dtype"}`` for a derived dict.
+        """MFU against both denominators, each named, for a derived dict.
 
         ``dtype`` is the compute dtype of the model's matmuls ("float32" or "bfloat16").
-        The peak is measured on one device; a step spread over ``devices`` devices is held
-        against ``devices`` times it. Without an ok peak record for ``dtype`` in this run,
-        ``mfu`` is None and ``mfu_note`` says why.
+        Keys: ``mfu_datasheet`` over ``datasheet_peak_gflops`` (``datasheet`` names it;
+        present only where the device's datasheet gives ``dtype`` a peak), ``mfu_measured``
+        over ``measured_peak_gflops`` (``measured_peak`` names the record: the fastest
+        ``dtype`` matmul of this run), and the headline ``mfu`` with ``mfu_basis``
+        (``"datasheet"`` where there is one, else ``"measured"``), ``mfu_peak_gflops`` (its
+        denominator) and ``mfu_peak_dtype``. Peaks are per device; a step spread over
+        ``devices`` devices is held against ``devices`` times them. A missing measured peak
+        leaves its MFU None and ``mfu_note`` says why.
         """
-        peak = self.peak_gflops(dtype)
-        total = None if peak is None else peak * devices
-        out: dict[str, Any] = {
-            "mfu": mfu(model_flops_per_s, total),
-            "mfu_peak_gflops": peak,
-            "mfu_peak_dtype": dtype,
-        }
+        from jaxlab.bench.peak import MATMUL_METRIC, best_record, describe_peak
+
+        self.peak_gflops(dtype)  # measures the peak in this run if nothing has yet
+        best = best_record(self.records, MATMUL_METRIC, "gflops", dtype)
+        measured = None if best is None else float(best.derived["gflops"])
+        sheet = self.datasheet
+        sheet_peak = None if sheet is None else sheet.matmul_gflops(dtype)
+        out: dict[str, Any] = {}
+        basis = "measured"
+        if sheet is not None and sheet_peak is not None:
+            basis = "datasheet"
+            out["mfu_datasheet"] = mfu(model_flops_per_s, sheet_peak * devices)
+            out["datasheet_peak_gflops"] = sheet_peak
+            out["datasheet"] = sheet.describe(dtype)
+        out["mfu_measured"] = mfu(
+            model_flops_per_s, None if measured is None else measured * devices
+        )
+        out["measured_peak_gflops"] = measured
+        out["measured_peak"] = None if best is None else describe_peak(best)
+        out["mfu"] = out[f"mfu_{basis}"]
+        out["mfu_basis"] = basis
+        out["mfu_peak_gflops"] = sheet_peak if basis == "datasheet" else measured
+        out["mfu_peak_dtype"] = dtype
         if devices != 1:
             out["mfu_devices"] = devices
-        if peak is None:
-            out["mfu_note"] = f"no ok {dtype} matmul peak record in run {self.run_id}"
-        elif out["mfu"] is not None and out["mfu"] > 1.0:
-            out["mfu_note"] = (
-                "MFU > 1: the peak (a median of few samples) was measured while the machine "
-                "was busier; trust neither figure, rerun on a quiet machine"
+        notes = []
+        if measured is None:
+            notes.append(f"no ok {dtype} matmul peak record in run {self.run_id}")
+        on_measured, on_sheet = out["mfu_measured"], out.get("mfu_datasheet")
+        if on_measured is not None and on_measured > 1.0:
+            notes.append(
+                "MFU > 1 against the measured peak: the peak (a median of few samples) was "
+                "measured while the machine was busier; rerun on a quiet machine"
+            )
+        if on_sheet is not None and on_sheet > 1.0:
+            notes.append("MFU > 1 against the datasheet: the FLOP count overstates the work")
+        if notes:
+            out["mfu_note"] = "; ".join(notes)
+        return out
+
+    def bandwidth(self, bytes_per_s: float) -> dict[str, Any]:
+        """Achieved memory bandwidth against both denominators, each named.
+
+        ``gb_per_s`` is ``bytes_per_s`` in GB/s; ``bw_util_datasheet`` divides it by the
+        datasheet's HBM bandwidth (``datasheet_gb_per_s``, where known), ``bw_util_measured``
+        by the fastest copy of this run (``measured_gb_per_s``, read + write, named by
+        ``measured_bandwidth``), and ``bw_util`` (``bw_util_basis``) is the datasheet's where
+        there is one. One device.
+        """
+        from jaxlab.bench.peak import COPY_METRIC, best_record, describe_peak
+
+        self._ensure_peak()
+        gb = bytes_per_s / 1e9
+        best = best_record(self.records, COPY_METRIC, "gb_per_s")
+        measured = None if best is None else float(best.derived["gb_per_s"])
+        sheet = self.datasheet
+        out: dict[str, Any] = {"gb_per_s": gb}
+        basis = "measured"
+        if sheet is not None and sheet.memory_gb_per_s:
+            basis = "datasheet"
+            out["bw_util_datasheet"] = gb / sheet.memory_gb_per_s
+            out["datasheet_gb_per_s"] = sheet.memory_gb_per_s
+        out["bw_util_measured"] = None if not measured else gb / measured
+        out["measured_gb_per_s"] = measured
+        out["measured_bandwidth"] = None if best is None else describe_peak(best)
+        out["bw_util"] = out[f"bw_util_{basis}"]
+        out["bw_util_basis"] = basis
+        if out["bw_util_measured"] is not None and out["bw_util_measured"] > 1.0:
+            out["bw_note"] = (
+                "faster than the run's copy: the bytes fit in a cache the copy's array does "
+                "not (a small model on a CPU)"
             )
         return out

@@ -79,7 +79,50 @@ def generation_record(
         "recompiles_while_timed": r["recompiles_while_timed"],
         **ctx.mfu(fwd * r["tokens_per_s"], dtype=engine.compute_dtype),
     }
+    if kv_cache and new_tokens > 1 and r["decode_s"] > 0:
+        derived |= decode_bytes(ctx, engine, batch, prompt_len, new_tokens, r["decode_s"])
+    if ctx.profile:
+        from jaxlab.infer import offline
+        from jaxlab.infer.measure import generation_requests
+
+        requests = generation_requests(engine, batch, prompt_len, new_tokens)
+        derived |= ctx.profile_call(
+            lambda: offline.generate(engine, requests, kv_cache=kv_cache),
+            "generate_s",
+            sync=lambda out: out,  # generate returns once the tokens are on the host
+        )
     return ctx.record("generate_s", "s", r["wall_s"], case=case, derived=derived)
+
+
+def decode_bytes(
+    ctx: BenchContext, engine: Any, batch: int, prompt_len: int, new_tokens: int, decode_s: float
+) -> dict[str, Any]:
+    """Bytes a decode step reads and the rate it reads them at (docs/benchmarking.md).
+
+    A step reads the step's weights once whatever the batch (``Engine.step_weight_bytes``)
+    and, per row, the K and V of every position it attends to: the prompt and the tokens
+    before it, ``prompt_len + new_tokens / 2`` positions on average over the call's
+    ``new_tokens - 1`` decode steps. ``bytes_per_step`` is their sum, the least a step
+    must read, as model FLOPs are the least it must compute. The measured step is
+    ``decode_s`` (one jitted loop of every decode step, timed to its tokens on the host)
+    over its steps. ``kv_cache_bytes`` is the whole cache the batch holds (``max_len``
+    positions a row), which MaxText's "AR memory bandwidth" counts instead.
+    """
+    steps = new_tokens - 1
+    step_s = decode_s / steps
+    per_position = engine.cache_bytes_per_slot / engine.max_len
+    visible = prompt_len + new_tokens / 2
+    weights = engine.step_weight_bytes
+    kv = batch * visible * per_position
+    total = weights + kv
+    return {
+        "step_s": step_s,
+        "bytes_per_step": total,
+        "weight_bytes_per_step": weights,
+        "kv_bytes_per_step": kv,
+        "kv_cache_bytes": batch * engine.cache_bytes_per_slot,
+        **ctx.bandwidth(total / step_s),
+    }
 
 
 @suite(
@@ -89,14 +132,30 @@ def generation_record(
     description="decode latency and tokens/s vs batch size",
 )
 def decode_suite(ctx: BenchContext) -> Iterator[Record]:
+    import jax
+
     cfg = ctx.config
     engine = _engine(cfg)
     cap = _max_len(cfg)
     prompt, new = min(32, cap // 4), min(128, cap // 2)
     if ctx.quick:
         new = min(new, 32)
-    for batch in [1, 8] if ctx.quick else [1, 4, 8, 16]:
-        yield generation_record(ctx, engine, batch, prompt, new, kv_cache=True)
+    if jax.default_backend() == "cpu":
+        batches = [1, 8] if ctx.quick else [1, 4, 8, 16]
+    else:  # an accelerator's step barely grows with rows: up to 32 (the issue's target)
+        batches = [1, 8, 32] if ctx.quick else [1, 4, 8, 16, 32]
+    first_step: float | None = None
+    for batch in batches:
+        rec = generation_record(ctx, engine, batch, prompt, new, kv_cache=True)
+        step = rec.derived.get("step_s")
+        if batch == 1 and isinstance(step, float):
+            first_step = step
+        elif first_step is not None and isinstance(step, float):
+            # How a step's time grows with rows: this step over the batch-1 step, same run.
+            rec = rec.model_copy(
+                update={"derived": {**rec.derived, "step_vs_batch1": step / first_step}}
+            )
+        yield rec
 
 
 @suite(

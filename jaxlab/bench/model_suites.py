@@ -36,13 +36,12 @@ class StepRunner:
         import jax.numpy as jnp
         import numpy as np
 
-        from jaxlab.model import make_model, split_model
         from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
-        from jaxlab.train.step import init_state, make_train_step
+        from jaxlab.train.step import init_state, initial_params, make_train_step
 
         t = cfg.train
-        model = make_model(cfg.model, t.precision, seed=0, remat=t.remat)
-        graphdef, params = split_model(model)
+        graphdef, params = initial_params(cfg.model, t.precision, 0, remat=t.remat)
+        master = t.precision.master_dtype is not None
         tx = make_optimizer(t)
         step = make_train_step(
             graphdef,
@@ -62,13 +61,52 @@ class StepRunner:
             "segment_ids": jnp.ones((batch_size, seq), jnp.int32),
             "loss_mask": jnp.ones((batch_size, seq), jnp.float32),
         }
-        self.state = init_state(params, tx, 0)
+        self.state = init_state(
+            params, tx, 0, param_dtype=t.precision.param_dtype if master else None
+        )
+        del params
         self.tokens_per_step = batch_size * seq
 
     def compile(self) -> float:
+        """Trace, lower and compile the step; returns the total seconds (:attr:`stages`)."""
         t0 = time.perf_counter()
-        self.compiled = self.jitted.lower(self.state, self.batch).compile()
-        return time.perf_counter() - t0
+        traced = self.jitted.trace(self.state, self.batch)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        self.compiled = lowered.compile()
+        t3 = time.perf_counter()
+        self.stages = {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2}
+        return t3 - t0
+
+    def memory(self) -> dict[str, Any]:
+        """What the compiled step needs (XLA's buffer assignment: arguments, outputs not
+        aliased to donated arguments, temporaries), and the device's peak so far."""
+        import jax
+
+        out: dict[str, Any] = {}
+        try:
+            ma = self.compiled.memory_analysis()
+        except Exception:  # not every backend reports it
+            ma = None
+        if ma is not None:
+            arg, res = ma.argument_size_in_bytes, ma.output_size_in_bytes
+            alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
+            peak = getattr(ma, "peak_memory_in_bytes", 0) or arg + res - alias + temp
+            out |= {
+                "step_memory_bytes": peak,
+                "step_argument_bytes": arg,
+                "step_temp_bytes": temp,
+            }
+        try:
+            stats = jax.local_devices()[0].memory_stats()
+        except Exception:
+            stats = None
+        if stats:
+            # The process's peak since it started (no per-case reset exists): it only grows.
+            out["device_peak_bytes_so_far"] = stats.get("peak_bytes_in_use")
+            out["device_bytes_limit"] = stats.get("bytes_limit")
+        return out
 
     def __call__(self) -> Any:
         self.state, metrics = self.compiled(self.state, self.batch)

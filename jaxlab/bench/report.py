@@ -90,6 +90,8 @@ HEADLINE_KEYS = (
     "mb_per_s",
     "tokens_per_s",
     "mfu",
+    "mfu_basis",
+    "bw_util",
     "first_over_steady",
     "variant",
 )

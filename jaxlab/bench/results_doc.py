@@ -48,6 +48,14 @@ EXPLAIN: dict[str, tuple[str, str]] = {
         "The model's own compile time. That is logged by each training run (`compile` "
         "events in metrics.jsonl).",
     ),
+    "knobs": (
+        "The train step of one config under each setting of the training knobs (remat policy, "
+        "scan over layers, bf16 parameters with f32 master weights, batch and accumulation), "
+        "one record per variant: tokens/s, MFU against the datasheet and the measured peak, "
+        "the compile time in stages and the compiled step's memory.",
+        "XLA flags, which a process reads once: each flag set is a run of its own (its "
+        "run.json says which). Nor the loss: the variants compute the same function.",
+    ),
     "prefill": (
         "Prefill latency per prompt length, bucketed (padded to powers of two) against "
         "exact shapes, and the compiles that a sweep of distinct lengths costs in each mode.",
@@ -205,6 +213,13 @@ _DERIVED_SHOWN = (
     "decode_tokens_per_s",
     "per_token_latency_ms",
     "mfu",
+    "mfu_basis",
+    "mfu_measured",
+    "step_s",
+    "bytes_per_step",
+    "bw_util",
+    "bw_util_basis",
+    "step_vs_batch1",
     "gflops",
     "gb_per_s",
     "mb_per_s",

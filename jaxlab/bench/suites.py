@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from jaxlab.config import JaxlabConfig
 
 SuiteFn = Callable[[BenchContext], Iterable[Record]]
+#: A suite's check of the resolved config, run before jax starts: raises ``ConfigError``.
+CheckFn = Callable[["JaxlabConfig"], None]
 
 # Modules whose import registers suites. Add yours here (one line).
 BUILTIN_SUITE_MODULES: tuple[str, ...] = (
@@ -48,6 +50,7 @@ BUILTIN_SUITE_MODULES: tuple[str, ...] = (
     "jaxlab.bench.infer_suites",
     "jaxlab.bench.peer_suite",
     "jaxlab.bench.serve_suite",
+    "jaxlab.bench.knobs",
 )
 # CLI subcommand names a suite may not take (``peak`` is both, on purpose).
 RESERVED_NAMES = frozenset({"run", "compare", "report", "list", "results"})
@@ -67,6 +70,7 @@ class SuiteSpec:
     needs_peak: bool = False
     default: bool = True
     new_shapes: bool = False
+    check: CheckFn | None = None
 
 
 REGISTRY: dict[str, SuiteSpec] = {}
@@ -79,6 +83,7 @@ def suite(
     needs_peak: bool = False,
     default: bool | None = None,
     new_shapes: bool = False,
+    check: CheckFn | None = None,
 ) -> Callable[[SuiteFn], SuiteFn]:
     """Register ``fn`` as suite ``name``.
 
@@ -87,7 +92,8 @@ def suite(
     (default: yes, except ``serve``). ``new_shapes``: the suite sweeps input shapes (batch
     sizes, lengths, slots) through the same compiled functions, so their recompiles are
     expected: logged at INFO, not warned about (``jaxlab.runtime.compiled``). Records still
-    count any compile inside a timed call.
+    count any compile inside a timed call. ``check``: called with the resolved config
+    before jax starts (``jaxlab bench`` turns its ``ConfigError`` into exit 2).
     """
     if not name or name.startswith("-") or name in RESERVED_NAMES:
         raise ValueError(f"invalid suite name {name!r} (reserved: {sorted(RESERVED_NAMES)})")
@@ -104,6 +110,7 @@ def suite(
             needs_peak=needs_peak,
             default=(name not in NOT_BY_DEFAULT) if default is None else default,
             new_shapes=new_shapes,
+            check=check,
         )
         return fn
 
@@ -209,6 +216,7 @@ def write_run_meta(
     """``run.json`` (how the run was started) and ``config.toml`` (the resolved config,
     secrets left out), so a committed record set says what produced it."""
     import json
+    import os
     import shlex
     import sys
 
@@ -222,6 +230,9 @@ def write_run_meta(
         "suites": list(suites),
         "quick": quick,
         "command": shlex.join(argv) if argv else None,
+        # Read once per process by XLA, so the same for every record of the run.
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
     }
     (run_dir / RUN_META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
     (run_dir / RUN_CONFIG_FILENAME).write_text(to_toml(config))
@@ -238,11 +249,13 @@ def run_bench(
     run_id: str | None = None,
     config_hash: str | None = None,
     write_report: bool = True,
+    profile: bool = False,
 ) -> BenchRun:
     """Run ``names`` (all default suites if empty) into ``<out>/<run_id>/``.
 
     Records are appended as they are measured; the summary, CSV and plots are written at
-    the end (also after Ctrl-C, for what was measured).
+    the end (also after Ctrl-C, for what was measured). ``profile``: every measured case
+    also writes a ``jax.profiler`` trace of one untimed call (:meth:`BenchContext.profile_call`).
     """
     from jaxlab.config import config_hash as hash_config
 
@@ -260,6 +273,7 @@ def run_bench(
         writer=RecordWriter(run_dir / RECORDS_FILENAME),
         config_hash=config_hash or hash_config(config),
         reporter=reporter or NullReporter(),
+        profile=profile,
         _runner=_run_one,
     )
     result = BenchRun(run_id=run_id, run_dir=run_dir, suites=[s.name for s in specs])

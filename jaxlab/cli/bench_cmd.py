@@ -87,7 +87,16 @@ UrlOpt = Annotated[
     typer.Option(
         "--url",
         help="Load this running server in the serve suite instead of starting servers "
-        "(bench.serve_url).",
+        "(bench.serve_url): http://HOST:PORT, or unix:PATH for one on a unix socket "
+        "(jaxlab serve --uds PATH).",
+    ),
+]
+ProfileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--profile",
+        help="Also trace one untimed call of each measured case with jax.profiler, into "
+        "<run dir>/profile/ (TensorBoard or ui.perfetto.dev; docs/benchmarking.md).",
     ),
 ]
 
@@ -178,22 +187,28 @@ def _run(
     out: Path | None,
     cpu: bool,
     json_: bool,
+    profile: bool = False,
 ) -> BenchRun:
     from jaxlab.bench.suites import UnknownSuiteError, resolve_suites
 
     cfg = resolve(config, set_).config
     try:
-        resolve_suites(names)  # before jax starts: a typo costs nothing
+        specs = resolve_suites(names)  # before jax starts: a typo costs nothing
     except UnknownSuiteError as e:
         raise UsageProblem(str(e)) from None
+    for spec in specs:
+        if spec.check is not None:
+            spec.check(cfg)  # ConfigError: exit 2, before jax starts
+    _check_unix_url(cfg.bench.serve_url, [s.name for s in specs])
 
     from jaxlab.bench.report import summary_rows
     from jaxlab.bench.suites import run_bench
-    from jaxlab.runtime import configure_platform
+    from jaxlab.runtime import apply_flag_config, configure_platform
 
     configure_platform("cpu" if cpu else cfg.runtime.platform)
+    apply_flag_config(cfg.runtime)
     with _LiveReporter() as reporter:
-        run = run_bench(names, config=cfg, quick=quick, out=out, reporter=reporter)
+        run = run_bench(names, config=cfg, quick=quick, out=out, reporter=reporter, profile=profile)
     _print_summary(run.records, f"jaxlab bench {run.run_id}")
     notes = run.report.notes if run.report else []
     for note in notes:
@@ -217,6 +232,21 @@ def _run(
     return run
 
 
+def _check_unix_url(url: str | None, suites: list[str]) -> None:
+    """``unix:PATH`` must name a socket that exists, before jax starts (exit 2)."""
+    if url is None or not url.startswith("unix:") or "serve" not in suites:
+        return
+    import stat
+
+    path = Path(url.removeprefix("unix:"))
+    try:
+        is_socket = stat.S_ISSOCK(path.stat().st_mode)
+    except OSError as e:
+        raise UsageProblem(f"--url {url}: {e.strerror or e}") from None
+    if not is_socket:
+        raise UsageProblem(f"--url {url}: {path} is not a unix socket")
+
+
 @app.command("run", epilog="Example: jaxlab bench run peak compile --quick")
 def run_cmd(
     suites: SuitesArg = None,
@@ -226,12 +256,22 @@ def run_cmd(
     out: OutOpt = None,
     cpu: CpuOpt = False,
     url: UrlOpt = None,
+    profile: ProfileOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Run suites; write records.jsonl, summary.csv, summary.md and plots/ under the run dir."""
     if url is not None:  # the last --set wins, so the flag overrides the config's value
         set_ = [*(set_ or []), f"bench.serve_url={url}"]
-    _run(list(suites or []), quick=quick, config=config, set_=set_, out=out, cpu=cpu, json_=json_)
+    _run(
+        list(suites or []),
+        quick=quick,
+        config=config,
+        set_=set_,
+        out=out,
+        cpu=cpu,
+        json_=json_,
+        profile=profile,
+    )
 
 
 @app.command("peak", epilog="Example: jaxlab bench peak --quick --json")
@@ -249,9 +289,10 @@ def peak_cmd(
     set_: SetOpt = None,
     out: OutOpt = None,
     cpu: CpuOpt = False,
+    profile: ProfileOpt = False,
     json_: JsonOpt = False,
 ) -> None:
-    """Matmul GFLOP/s (float32, bfloat16) and memory GB/s of this device (the MFU peak).
+    """Matmul GFLOP/s (float32, bfloat16) and memory GB/s of this device (the measured peak).
 
     `jaxlab bench peak SUITE...` measures the peak and then those suites in one run.
     """
@@ -263,6 +304,7 @@ def peak_cmd(
         out=out,
         cpu=cpu,
         json_=json_,
+        profile=profile,
     )
 
 

@@ -97,7 +97,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 ConfigOpt = Annotated[
     str | None,
     typer.Option(
-        "--config", "-c", help="Preset name (tiny, small, bench-tiny, bench-small) or TOML path."
+        "--config",
+        "-c",
+        help="Preset name (tiny, small, bench-tiny, bench-small, tpu-small, tpu-medium) or TOML "
+        "path.",
     ),
 ]
 SetOpt = Annotated[

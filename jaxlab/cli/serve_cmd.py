@@ -83,6 +83,14 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--port-file", help="Write the bound port to this file once listening."),
         ] = None,
+        uds: Annotated[
+            Path | None,
+            typer.Option(
+                "--uds",
+                help="Listen on this unix socket instead of TCP (e.g. behind a reverse proxy; "
+                "the URL is unix:PATH). A socket file left by a dead server is replaced.",
+            ),
+        ] = None,
         chunk_delay_s: Annotated[
             float,
             typer.Option(
@@ -103,6 +111,16 @@ def register(app: typer.Typer) -> None:
         from jaxlab.serve.config import serve_config
         from jaxlab.train.run_dir import RunDir
 
+        if uds is not None:
+            given = [
+                n
+                for n, v in (("--host", host), ("--port", port), ("--port-file", port_file))
+                if v is not None
+            ]
+            if given:
+                raise UsageProblem(f"--uds listens on a unix socket: drop {', '.join(given)}")
+            if not uds.parent.is_dir():
+                raise UsageProblem(f"--uds {uds}: no such directory {uds.parent}")
         if not RunDir(run_dir).exists():
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         _check_step(run_dir, step)
@@ -143,15 +161,22 @@ def register(app: typer.Typer) -> None:
             if cfg.serve.api_key is not None:
                 console.print("API key required on /v1/* (Authorization: Bearer ...)", markup=False)
             if json_:
-                doc: dict[str, Any] = {"url": url, "host": cfg.serve.host, **info}
-                doc["port"] = int(url.rsplit(":", 1)[1])
+                doc: dict[str, Any] = {"url": url, **info}
+                if uds is None:
+                    doc["host"] = cfg.serve.host
+                    doc["port"] = int(url.rsplit(":", 1)[1])
+                else:
+                    doc["uds"] = str(uds)
                 doc["compiles"] = sched.compiles_after_warmup if sched else None
                 emit_json(doc)
 
         try:
-            result = run_server(service, on_listening=on_listening, on_ready=on_ready)
+            result = run_server(service, uds=uds, on_listening=on_listening, on_ready=on_ready)
         except OSError as e:
-            raise UsageProblem(f"cannot listen on {cfg.serve.host}:{cfg.serve.port}: {e}") from None
+            where = (
+                f"unix socket {uds}" if uds is not None else f"{cfg.serve.host}:{cfg.serve.port}"
+            )
+            raise UsageProblem(f"cannot listen on {where}: {e.strerror or e}") from None
         # The server is down and uvicorn has put the default handlers back: a late signal
         # (a supervisor repeating SIGTERM) must not kill the process on its way out and turn
         # a clean drain into exit 143.

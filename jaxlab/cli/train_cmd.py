@@ -41,6 +41,44 @@ StepOpt = Annotated[
 ]
 
 
+def step_range(value: str | None) -> str | None:
+    """``--profile START:STOP``: two step counts, ``0 <= START < STOP`` (checked by click,
+    before anything loads; the run's own bounds are checked once they are known)."""
+    if value is None:
+        return None
+    start, sep, stop = value.partition(":")
+    if not (sep and start.isascii() and start.isdigit() and stop.isascii() and stop.isdigit()):
+        raise typer.BadParameter(f"expected START:STOP, two step numbers (got {value!r})")
+    if int(start) >= int(stop):
+        raise typer.BadParameter(f"START must be below STOP (got {value!r})")
+    return value
+
+
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        callback=step_range,
+        metavar="START:STOP",
+        help="Write a jax.profiler trace of the steps that take the step counter from START "
+        "to STOP (as --steps counts) into RUN_DIR/profile/; open it in TensorBoard or "
+        "ui.perfetto.dev (docs/benchmarking.md#profiling).",
+    ),
+]
+
+
+def _profile_steps(spec: str | None, start: int, stop_at: int) -> tuple[int, int] | None:
+    """``--profile``'s steps, checked against the run's: ``start <= START < STOP <= stop_at``."""
+    if spec is None:
+        return None
+    a, b = (int(x) for x in spec.split(":"))
+    if a < start or b > stop_at:
+        raise UsageProblem(
+            f"--profile {spec}: the steps must lie within this run's, {start}:{stop_at}"
+        )
+    return a, b
+
+
 class TrainView:
     """Rich live view on a TTY; plain lines (one per log interval) otherwise."""
 
@@ -128,9 +166,14 @@ def _quiet_libraries() -> None:
         logging.getLogger("absl").setLevel(logging.WARNING)
 
 
-def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
+def _run(trainer: Trainer, stop_at: int | None, json_: bool, profile: str | None = None) -> None:
     from jaxlab.train.trainer import NonFiniteError, Preempted
 
+    try:
+        steps = _profile_steps(profile, trainer.step, stop_at or trainer.cfg.train.steps)
+    except UsageProblem:
+        trainer.close()
+        raise
     # In a multi-process run only process 0 talks; the others train silently.
     primary = trainer.primary
     view = TrainView(quiet=not primary)
@@ -138,7 +181,7 @@ def _run(trainer: Trainer, stop_at: int | None, json_: bool) -> None:
     t0 = time.perf_counter()
     try:
         with view:
-            summary = trainer.run(stop_at)
+            summary = trainer.run(stop_at, profile=steps)
     except Preempted as p:
         if primary:
             console.print(str(p), markup=False)
@@ -227,10 +270,13 @@ def register(app: typer.Typer) -> None:
         processes: Annotated[
             int, typer.Option("--processes", min=1, help="Local processes (jax.distributed).")
         ] = 1,
+        profile: ProfileOpt = None,
         json_: JsonOpt = False,
     ) -> None:
         """Train a model from a config; checkpoints, metrics and manifest go to the run dir."""
         cfg = resolve(config, set_).config
+        if profile is not None:  # the run's bounds are known now: fail before any work
+            _profile_steps(profile, 0, steps or cfg.train.steps)
         if processes > 1:
             from jaxlab.parallel.launch import launch
             from jaxlab.train import new_run_id
@@ -241,6 +287,7 @@ def register(app: typer.Typer) -> None:
             args += ["--config", config] if config else []
             args += [x for s in (set_ or []) for x in ("--set", s)]
             args += ["--steps", str(steps)] if steps else []
+            args += ["--profile", profile] if profile else []
             args += ["--json"] if json_ else []
             raise typer.Exit(launch(args, processes))
         _configure(cfg)
@@ -255,13 +302,14 @@ def register(app: typer.Typer) -> None:
                 "or a new directory"
             )
         trainer = Trainer(cfg, path)
-        _run(trainer, steps, json_)
+        _run(trainer, steps, json_, profile)
 
     @app.command(epilog="Example: jaxlab resume --run-dir artifacts/runs/demo --steps 100")
     def resume(
         run_dir: RunDirOpt,
         step: StepOpt = "latest",
         steps: StepsOpt = None,
+        profile: ProfileOpt = None,
         json_: JsonOpt = False,
     ) -> None:
         """Continue a run exactly from a checkpoint (bitwise on CPU)."""
@@ -277,7 +325,7 @@ def register(app: typer.Typer) -> None:
         trainer = Trainer(cfg, run_dir)
         restored = _restore(trainer, step)
         console.print(f"resumed from step {restored}", markup=False)
-        _run(trainer, steps, json_)
+        _run(trainer, steps, json_, profile)
 
     @app.command("eval", epilog="Example: jaxlab eval --run-dir artifacts/runs/demo --json")
     def eval_(

@@ -14,6 +14,7 @@ from jaxlab.config.loader import (
     to_dict,
     to_toml,
     validate_file,
+    with_overrides,
 )
 from jaxlab.config.schema import (
     BenchConfig,
@@ -60,4 +61,5 @@ __all__ = [
     "to_dict",
     "to_toml",
     "validate_file",
+    "with_overrides",
 ]

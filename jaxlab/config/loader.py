@@ -352,6 +352,21 @@ def load_config(
     return resolve_config(config, overrides, environ).config
 
 
+def with_overrides(cfg: JaxlabConfig, overrides: Sequence[str], *, label: str) -> JaxlabConfig:
+    """``cfg`` with ``section.field=value`` overrides applied (parsed as ``--set`` values)
+    and validated as a whole; a problem is a ``ConfigError`` whose lines start with
+    ``label`` (e.g. the benchmark variant that asked for it)."""
+    try:
+        top = parse_overrides(overrides)
+    except ConfigError as e:
+        raise ConfigError([f"{label}: {issue}" for issue in e.issues]) from None
+    merged = _deep_merge(to_dict(cfg, secrets=True), top)
+    try:
+        return JaxlabConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, dict.fromkeys(_flatten(top), label), label)) from None
+
+
 def to_dict(cfg: JaxlabConfig, *, secrets: bool = False) -> dict[str, Any]:
     """The config as TOML-able data: None values dropped (TOML has no null)."""
     data = cfg.model_dump(mode="json")

@@ -89,7 +89,33 @@ class RuntimeConfig(Section):
             "uses it, so its compile times stay real compiles."
         ),
     )
+    xla_flags: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Flags appended to XLA_FLAGS before JAX starts its backend (['--name=value', ...]);"
+            " a flag the variable already names keeps the variable's value. Read once per"
+            " process."
+        ),
+    )
+    libtpu_init_args: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Flags appended to LIBTPU_INIT_ARGS (the TPU compiler's and runtime's) before JAX"
+            " starts its backend, as xla_flags; ignored by other platforms."
+        ),
+    )
     distributed: DistributedConfig = Field(default_factory=lambda: DistributedConfig())
+
+    @field_validator("xla_flags", "libtpu_init_args")
+    @classmethod
+    def _flags(cls, flags: list[str]) -> list[str]:
+        for f in flags:
+            if not f.startswith("--") or len(f) < 3 or any(c.isspace() for c in f):
+                raise ValueError(
+                    f"expected flags of the form '--name' or '--name=value', without spaces"
+                    f" (got {f!r})"
+                )
+        return flags
 
 
 class ModelConfig(Section):
@@ -119,6 +145,15 @@ class ModelConfig(Section):
             " that platform, 'pallas' flash attention in Pallas (interpret mode on the CPU);"
             " 'auto' = xla_cpu on CPU, xla_tpu on TPU, xla elsewhere."
             " 'einsum' (older configs) = xla_cpu."
+        ),
+    )
+
+    scan_layers: bool = Field(
+        default=False,
+        description=(
+            "Store the blocks' parameters stacked along a leading layer axis and run the"
+            " blocks as one lax.scan: the step compiles one block instead of n_layers (a"
+            " shorter compile); the same function as the unrolled model."
         ),
     )
 
@@ -189,12 +224,49 @@ class ScheduleConfig(Section):
 
 class PrecisionConfig(Section):
     param_dtype: Dtype = Field(
-        default="float32", description="Master parameters and optimizer state."
+        default="float32",
+        description=(
+            "The parameters the model reads; also the optimizer's (its moments and updates)"
+            " unless master_dtype is set."
+        ),
     )
     compute_dtype: Dtype = Field(
         default="float32",
         description="Matmul inputs; logits, softmax, norms and loss stay float32.",
     )
+    master_dtype: Dtype | None = Field(
+        default=None,
+        description=(
+            "Master weights: the optimizer updates a copy of the parameters in this dtype"
+            " (its moments too), and the parameters the model reads are rounded from it to"
+            " param_dtype after every update. Must be wider than param_dtype. Unset (or"
+            " 'none'): no master weights."
+        ),
+    )
+
+    @field_validator("master_dtype", mode="before")
+    @classmethod
+    def _none(cls, v: object) -> object:
+        return None if v == "none" else v  # TOML has no null: --set ...master_dtype=none
+
+    @model_validator(mode="after")
+    def _master_wider(self) -> PrecisionConfig:
+        if self.master_dtype is not None and not (
+            self.master_dtype == "float32" and self.param_dtype == "bfloat16"
+        ):
+            raise ValueError(
+                f"master_dtype={self.master_dtype!r} with param_dtype={self.param_dtype!r}:"
+                " master weights must be wider than the parameters; use param_dtype ="
+                " 'bfloat16' with master_dtype = 'float32', or leave master_dtype unset"
+            )
+        return self
+
+
+#: ``train.remat`` policies: which activations a block keeps for the backward pass (the rest
+#: are recomputed there). Names follow ``jax.checkpoint_policies`` and MaxText.
+RematPolicy = Literal[
+    "none", "full", "save_dots", "save_dots_no_batch", "save_qkv_proj", "save_qkv_out_proj"
+]
 
 
 class TrainConfig(Section):
@@ -208,11 +280,25 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
-    remat: bool = Field(default=False, description="Activation checkpointing per block.")
+    remat: RematPolicy = Field(
+        default="none",
+        description=(
+            "Activation checkpointing per block: 'none' keeps every activation; 'full' keeps"
+            " only each block's input; 'save_dots' keeps every matmul output (attention's"
+            " too), 'save_dots_no_batch' those of the weight matmuls, 'save_qkv_proj' the"
+            " fused QKV projection, 'save_qkv_out_proj' it and attention's output projection."
+            " true/false (older configs) = 'full'/'none'."
+        ),
+    )
     nonfinite_policy: Literal["abort", "skip"] = "abort"
     log_every_steps: int = Field(default=10, ge=1)
     eval_every_steps: int = Field(default=0, ge=0, description="0 = only at the end.")
     eval_batches: int = Field(default=4, ge=1)
+
+    @field_validator("remat", mode="before")
+    @classmethod
+    def _remat_bool(cls, v: object) -> object:
+        return ("full" if v else "none") if isinstance(v, bool) else v
 
 
 class CheckpointConfig(Section):
@@ -353,12 +439,42 @@ class BenchConfig(Section):
     )
     serve_url: str | None = Field(
         default=None,
-        pattern=r"^https?://",
+        pattern=r"^(https?://|unix:.)",
         description=(
             "A running server for the 'serve' suite to load instead of the ones it starts"
-            " (its sweep and Poisson cases; no slot comparison). `jaxlab bench serve --url`."
+            " (its sweep and Poisson cases; no slot comparison): http(s)://HOST:PORT[/prefix],"
+            " or unix:PATH for one on a unix socket (`jaxlab serve --uds PATH`)."
+            " `jaxlab bench serve --url`."
         ),
     )
+    train_variants: list[str] | None = Field(
+        default=None,
+        description=(
+            "The 'knobs' suite's cases: each a space-separated list of section.field=value"
+            " overrides of this config ('' = the config as it is), one record each. Unset:"
+            " the preset itself, then one knob changed at a time (remat policies, scan over"
+            " layers, param precision, batch and accumulation)."
+        ),
+    )
+
+    @field_validator("train_variants")
+    @classmethod
+    def _variants(cls, variants: list[str] | None) -> list[str] | None:
+        for v in variants or []:
+            for item in v.split():
+                key, sep, _ = item.partition("=")
+                if not sep or "." not in key:
+                    raise ValueError(
+                        f"expected space-separated section.field=value items (got {item!r}"
+                        f" in {v!r})"
+                    )
+                if key.startswith("runtime.") or key.startswith("bench."):
+                    raise ValueError(
+                        f"{key} cannot vary between the cases of one run (XLA reads its flags"
+                        " once per process; the runtime and bench sections are the run's):"
+                        " run the suite once per value instead"
+                    )
+        return variants
 
 
 class JaxlabConfig(Section):

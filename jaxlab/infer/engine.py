@@ -51,6 +51,7 @@ from jaxlab.infer.steps import (
 )
 from jaxlab.kernels.paged import PagedCache, Pages, max_pages_for
 from jaxlab.model import make_model, split_model
+from jaxlab.model.transformer import is_stacked, unstack_params
 from jaxlab.runtime import tuning
 from jaxlab.runtime.compiled import CompileTiming, ShapeKeyedJit
 
@@ -106,6 +107,8 @@ class Engine:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, cfg: JaxlabConfig) -> None:
+        if cfg.model.scan_layers:  # decode the unrolled model: no per-step weight slices
+            graphdef, params = unstack_params(cfg.model, cfg.train.precision, params)
         self.graphdef = graphdef
         self.cfg = cfg
         self.platform: str = jax.default_backend()
@@ -158,19 +161,36 @@ class Engine:
 
     @params.setter
     def params(self, params: nnx.State) -> None:
-        self._params = params
-        self._weights = prepare_weights(self.graphdef, params, self.tuning.transposed_head)
+        self._params = self._unrolled(params)
+        self._weights = prepare_weights(self.graphdef, self._params, self.tuning.transposed_head)
+
+    def _unrolled(self, params: nnx.State) -> nnx.State:
+        """``params`` as the engine's unrolled model has them (a ``scan_layers`` model's
+        stacked blocks unstacked)."""
+        if is_stacked(params):
+            return unstack_params(self.cfg.model, self.cfg.train.precision, params)[1]
+        return params
 
     def weights(self, params: nnx.State | None = None) -> Weights:
         """What prefill and decode read: the engine's (prepared once) or ``params``'."""
         if params is None or params is self._params:
             return self._weights
+        params = self._unrolled(params)
         return prepare_weights(self.graphdef, params, self.tuning.transposed_head)
 
     @property
     def step_weight_bytes(self) -> int:
         """Bytes of weights each decode step reads (:func:`~jaxlab.infer.steps.step_weight_bytes`)."""
         return step_weight_bytes(self.graphdef, self._weights)
+
+    @property
+    def cache_bytes_per_slot(self) -> int:
+        """Bytes of one slot's KV cache: every layer's K and V at ``max_len`` positions, in
+        the cache's dtype (the compute dtype). Every kernel's layout holds exactly these
+        (none pads), so this is from the config alone."""
+        m = self.cfg.model
+        itemsize = jax.numpy.dtype(self.compute_dtype).itemsize
+        return 2 * m.n_layers * m.n_kv_heads * m.head_dim * itemsize * self.max_len
 
     # ------------------------------------------------------------------ facts
 

@@ -22,6 +22,18 @@ from jaxlab.infer.request import Request
 from jaxlab.infer.sampling import SamplingParams
 
 
+def generation_requests(
+    engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed: int = 0
+) -> list[Request]:
+    """``batch`` random prompts of ``prompt_len`` tokens, each to generate exactly
+    ``new_tokens`` greedily (EOS ignored): what :func:`measure_generate` times."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.cfg.model.vocab_size
+    prompts = rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [Request.create(p, sp, engine.limits()) for p in prompts]
+
+
 def measure_generate(
     engine: Engine,
     batch: int,
@@ -46,11 +58,7 @@ def measure_generate(
     ``warm_each`` untimed calls right before each timed one (after ``before``), so a timed
     call starts with the caches its own previous call left, not the peer's.
     """
-    rng = np.random.default_rng(seed)
-    vocab = engine.cfg.model.vocab_size
-    prompts = rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    requests = [Request.create(p, sp, engine.limits()) for p in prompts]
+    requests = generation_requests(engine, batch, prompt_len, new_tokens, seed)
 
     for _ in range(max(warmup, 1)):
         if before is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from jaxlab import kernels
@@ -110,7 +111,9 @@ class Attention(nnx.Module):
         (keys are cached already rotated)."""
         b, t, _ = x.shape
         h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = dense(x, self.w_qkv[...], self.compute_dtype).reshape(b, t, h + 2 * kv, d)
+        # Named for the remat policies that keep it (``jaxlab.model.remat``); no-op otherwise.
+        qkv = checkpoint_name(dense(x, self.w_qkv[...], self.compute_dtype), "qkv_proj")
+        qkv = qkv.reshape(b, t, h + 2 * kv, d)
         q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
         if rope is not None:
             sin, cos = rope
@@ -121,12 +124,13 @@ class Attention(nnx.Module):
     def output(self, o: Array) -> Array:
         """The kernel's ``[B, T, H, D]`` -> f32 ``[B, T, d_model]`` (into the residual)."""
         b, t = o.shape[:2]
-        return dense(
+        out = dense(
             o.reshape(b, t, self.n_heads * self.head_dim),
             self.w_out[...],
             self.compute_dtype,
             jnp.float32,
         )
+        return checkpoint_name(out, "out_proj")
 
     def __call__(
         self, x: Array, rope: Rope | None, segment_ids: Array | None = None

@@ -44,6 +44,7 @@ from jaxlab.config.schema import ModelConfig, PrecisionConfig
 from jaxlab.kernels import NO_SLOT, LayerCache, staged
 from jaxlab.kernels.paged import Pages, max_pages_for, no_pages
 from jaxlab.kernels.rows import Rows
+from jaxlab.model import remat as remat_policies
 from jaxlab.model.attention import Attention, Rope, rope_tables
 from jaxlab.model.layers import (
     INIT_STD,
@@ -138,7 +139,7 @@ class Block(nnx.Module):
         return x, cache
 
 
-def _run_block_remat(
+def _run_block(
     graphdef: nnx.GraphDef[Block],
     state: nnx.State,
     x: Array,
@@ -150,7 +151,35 @@ def _run_block_remat(
     return nnx.merge(graphdef, state)(x, rope, segment_ids, key)
 
 
-_run_block_remat_ckpt = jax.checkpoint(_run_block_remat, static_argnums=(0,))
+class StackedBlocks(nnx.Module):
+    """The blocks of a ``model.scan_layers`` model: one :class:`Block` (``stacked``) whose
+    every parameter has a leading ``n_layers`` axis, made by stacking the unrolled blocks'
+    parameters (so both initialise alike).
+
+    It reads as a list of blocks: ``len``, indexing and iteration give per-layer views
+    (each parameter's slice ``i``; a copy outside ``jit``), so code written against a list
+    of blocks (the cached modes, caches and kernels per layer) works on it unchanged. The
+    sequence forward scans ``stacked`` instead (:meth:`Transformer._sequence`), and the
+    inference engine unstacks the parameters once (:func:`unstack_params`).
+    """
+
+    def __init__(self, blocks: list[Block]) -> None:
+        graphdef, _ = nnx.split(blocks[0])
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in blocks))
+        self.n_layers = len(blocks)
+        self.stacked = nnx.merge(graphdef, stacked)
+
+    def __len__(self) -> int:
+        return self.n_layers
+
+    def __getitem__(self, i: int) -> Block:
+        if not -self.n_layers <= i < self.n_layers:
+            raise IndexError(f"layer {i} of {self.n_layers}")
+        graphdef, stacked = nnx.split(self.stacked)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+
+    def __iter__(self):  # -> Iterator[Block], as inferred
+        return (self[i] for i in range(self.n_layers))
 
 
 class Transformer(nnx.Module):
@@ -160,9 +189,14 @@ class Transformer(nnx.Module):
       cfg: model shape, variant and attention kernel.
       precision: ``param_dtype`` (storage) and ``compute_dtype`` (matmul inputs).
       rngs: parameter initialisation keys (``rngs.params()`` is drawn per tensor).
-      remat: recompute each block's activations in the backward pass
-        (``jax.checkpoint`` per block) to trade FLOPs for memory. Can also be toggled later
-        via the ``remat`` attribute (before ``nnx.split``).
+      remat: the activation checkpointing policy of each block (``train.remat``, see
+        :mod:`jaxlab.model.remat`; ``True``/``False`` = ``"full"``/``"none"``): recompute
+        activations in the backward pass to trade FLOPs for memory. Can also be changed
+        later via the ``remat`` attribute (before ``nnx.split``).
+
+    With ``cfg.scan_layers`` the blocks are a :class:`StackedBlocks` and the sequence
+    forward runs them as one ``lax.scan``: XLA compiles one block instead of ``n_layers``,
+    for the same function.
     """
 
     def __init__(
@@ -171,7 +205,7 @@ class Transformer(nnx.Module):
         precision: PrecisionConfig,
         *,
         rngs: nnx.Rngs,
-        remat: bool = False,
+        remat: bool | str = False,
     ) -> None:
         if cfg.d_model % cfg.n_heads:
             raise ValueError(f"d_model={cfg.d_model} must be divisible by n_heads={cfg.n_heads}")
@@ -186,7 +220,7 @@ class Transformer(nnx.Module):
         self.tie_embeddings = cfg.tie_embeddings
         self.param_dtype = param_dtype
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = remat_policies.normalize(remat)
 
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, param_dtype=param_dtype, rngs=rngs)
         self.pos_embed = (
@@ -194,11 +228,12 @@ class Transformer(nnx.Module):
             if cfg.positions == "learned"
             else None
         )
-        self.blocks = nnx.List(
-            [
-                Block(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
-                for _ in range(cfg.n_layers)
-            ]
+        blocks = [
+            Block(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+            for _ in range(cfg.n_layers)
+        ]
+        self.blocks: nnx.List[Block] | StackedBlocks = (
+            StackedBlocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         )
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
         self.lm_head = (
@@ -274,23 +309,65 @@ class Transformer(nnx.Module):
         positions: Array,
         segment_ids: Array | None,
         dropout_key: Array | None,
+        collect_kv: bool = True,
     ) -> tuple[Array, list[tuple[Array, Array]]]:
+        """Final-normed features and every layer's ``(k, v)`` (with ``collect_kv``; the
+        features alone need none, which matters only to the scan)."""
         if tokens.ndim != 2 or positions.shape != tokens.shape:
             raise ValueError(
                 f"tokens and positions must both be [B, T] (got {tokens.shape} and "
                 f"{positions.shape})"
             )
         x, rope = self.embed_inputs(tokens, positions)
+        policy = remat_policies.normalize(self.remat)  # the attribute may be set to a bool
+        if isinstance(self.blocks, StackedBlocks):
+            x, kvs = self._scan(self.blocks, x, rope, segment_ids, dropout_key, policy, collect_kv)
+            return self.final_norm(x), kvs
         kvs = []
+        run = remat_policies.wrap(_run_block, policy, static_argnums=(0,))
         for i, block in enumerate(self.blocks):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-            if self.remat:
+            if policy != "none":
                 graphdef, state = nnx.split(block)
-                x, kv = _run_block_remat_ckpt(graphdef, state, x, rope, segment_ids, key)
+                x, kv = run(graphdef, state, x, rope, segment_ids, key)
             else:
                 x, kv = block(x, rope, segment_ids, key)
             kvs.append(kv)
         return self.final_norm(x), kvs
+
+    @staticmethod
+    def _scan(
+        blocks: StackedBlocks,
+        x: Array,
+        rope: Rope | None,
+        segment_ids: Array | None,
+        dropout_key: Array | None,
+        policy: str,
+        collect_kv: bool,
+    ) -> tuple[Array, list[tuple[Array, Array]]]:
+        """The blocks as one ``lax.scan`` over the stacked parameters (``scan_layers``):
+        ``(x, every layer's (k, v) if collect_kv else [])``. Dropout folds each layer's
+        index into the key, as the unrolled loop does."""
+        graphdef, stacked = nnx.split(blocks.stacked)
+        keys = (
+            None
+            if dropout_key is None
+            else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(jnp.arange(len(blocks)))
+        )
+        run = remat_policies.wrap(_run_block, policy, static_argnums=(0,), prevent_cse=False)
+
+        def body(
+            x: Array, xs: tuple[nnx.State, Array | None]
+        ) -> tuple[Array, tuple[Array, Array] | None]:
+            state, key = xs
+            x, kv = run(graphdef, state, x, rope, segment_ids, key)
+            return x, (kv if collect_kv else None)  # unused K/V: no [L, B, T, ...] buffer
+
+        x, stacked_kv = jax.lax.scan(body, x, (stacked, keys))
+        if not collect_kv or stacked_kv is None:
+            return x, []
+        ks, vs = stacked_kv
+        return x, [(ks[i], vs[i]) for i in range(len(blocks))]
 
     def features(
         self,
@@ -312,7 +389,7 @@ class Transformer(nnx.Module):
         The training loss uses this with :func:`jaxlab.model.loss.head_cross_entropy`, so
         the ``[B, T, vocab]`` logits are never materialised.
         """
-        return self._sequence(tokens, positions, segment_ids, dropout_key)[0]
+        return self._sequence(tokens, positions, segment_ids, dropout_key, collect_kv=False)[0]
 
     def __call__(
         self,
@@ -439,10 +516,31 @@ class Transformer(nnx.Module):
 
 
 def make_model(
-    cfg: ModelConfig, precision: PrecisionConfig, seed: int, *, remat: bool = False
+    cfg: ModelConfig, precision: PrecisionConfig, seed: int, *, remat: bool | str = False
 ) -> Transformer:
     """Build a :class:`Transformer` with parameters initialised from ``seed``."""
     return Transformer(cfg, precision, rngs=nnx.Rngs(params=seed), remat=remat)
+
+
+def is_stacked(params: nnx.State) -> bool:
+    """Whether ``params`` are a ``scan_layers`` model's (stacked blocks)."""
+    return "stacked" in params["blocks"]
+
+
+def unstack_params(
+    cfg: ModelConfig, precision: PrecisionConfig, params: nnx.State
+) -> tuple[nnx.GraphDef[Transformer], nnx.State]:
+    """A ``scan_layers`` model's ``params`` as the unrolled model's ``(graphdef, params)``:
+    layer ``i``'s block gets slice ``i`` of every stacked parameter (a copy, made once).
+    The inference engine decodes with these, so a step reads each layer's weights as
+    they are, never through a slice."""
+    flat = cfg.model_copy(update={"scan_layers": False})
+    graphdef, template = split_model(nnx.eval_shape(lambda: make_model(flat, precision, 0)))
+    pure = nnx.to_pure_dict(params)
+    stacked = pure["blocks"]["stacked"]
+    pure["blocks"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.n_layers)}
+    nnx.replace_by_pure_dict(template, pure)
+    return graphdef, template
 
 
 def split_model(model: Transformer) -> tuple[nnx.GraphDef[Transformer], nnx.State]:

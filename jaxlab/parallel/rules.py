@@ -33,6 +33,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "tensor",
     "norm": None,
     "position": None,
+    "layers": None,  # the leading axis of stacked blocks (model.scan_layers): never split
 }
 
 # parameter name (last path component) -> logical axes, by the model's layout
@@ -72,6 +73,8 @@ def logical_axes(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[str | N
             axes = _PARAM_AXES[n]
             if len(axes) == len(shape):
                 return axes
+            if len(axes) + 1 == len(shape) and "blocks" in names:
+                return ("layers", *axes)  # stacked blocks (model.scan_layers)
     return (None,) * len(shape)
 
 
@@ -113,8 +116,9 @@ def param_shardings(params: Any, mesh: Any, rules: Mapping[str, Any] = DEFAULT_R
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def state_shardings(params: Any, tx: Any, mesh: Any) -> dict[str, Any]:
-    """Shardings of the whole train state: AdamW moments follow their parameters."""
+def state_shardings(params: Any, tx: Any, mesh: Any, *, master: bool = False) -> dict[str, Any]:
+    """Shardings of the whole train state: AdamW moments (and ``master`` weights, when the
+    state has them) follow their parameters."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -129,7 +133,7 @@ def state_shardings(params: Any, tx: Any, mesh: Any) -> dict[str, Any]:
         p_shard,
         transform_non_params=lambda _: replicated,
     )
-    return {
+    out = {
         "params": p_shard,
         "opt_state": opt_shard,
         "step": replicated,
@@ -137,6 +141,9 @@ def state_shardings(params: Any, tx: Any, mesh: Any) -> dict[str, Any]:
         "skipped": replicated,
         "bad_step": replicated,
     }
+    if master:
+        out["master"] = p_shard
+    return out
 
 
 def batch_sharding(mesh: Any, ndim: int = 2) -> Any:

@@ -5,12 +5,14 @@ Importing this package does not import jax; only the functions that need it do.
 
 from jaxlab.runtime.inventory import cpu_model, device_inventory, git_state, versions
 from jaxlab.runtime.platform import (
+    apply_flag_config,
     configure_platform,
     configure_runtime,
     enable_compilation_cache,
 )
 
 __all__ = [
+    "apply_flag_config",
     "configure_platform",
     "configure_runtime",
     "cpu_model",

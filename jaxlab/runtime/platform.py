@@ -10,10 +10,15 @@ which is honoured as long as no computation ran yet.
 CPU's vendor - each one only when the user's ``XLA_FLAGS`` does not already name that
 flag, never once a backend exists, and not at all with ``JAXLAB_XLA_CPU_DEFAULTS=0``. See
 ``docs/performance.md`` for the measurements behind them.
+
+The config's own flags, ``runtime.xla_flags`` and ``runtime.libtpu_init_args`` (the TPU
+compiler's and runtime's, read from ``LIBTPU_INIT_ARGS``), are appended to their variables
+the same way by :func:`apply_flag_config`, before anything starts a backend.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import MutableMapping
@@ -97,6 +102,49 @@ def apply_xla_cpu_defaults(
     return added
 
 
+def _flag_names(value: str) -> set[str]:
+    return {tok.lstrip("-").split("=", 1)[0] for tok in value.split() if tok.startswith("--")}
+
+
+#: The environment variable each flag list of ``runtime`` goes to.
+FLAG_VARIABLES = {"xla_flags": "XLA_FLAGS", "libtpu_init_args": "LIBTPU_INIT_ARGS"}
+
+
+def apply_flag_config(
+    runtime: RuntimeConfig, environ: MutableMapping[str, str] | None = None
+) -> dict[str, list[str]]:
+    """Append ``runtime.xla_flags`` to ``XLA_FLAGS`` and ``runtime.libtpu_init_args`` to
+    ``LIBTPU_INIT_ARGS``; returns the flags added, by variable.
+
+    A flag the variable already names keeps the variable's value (logged: the environment
+    is the caller's own word). Raises ``RuntimeError`` when there are flags to set and a
+    JAX backend has already started: XLA would ignore them, silently.
+    """
+    env = os.environ if environ is None else environ
+    wanted = {var: list(getattr(runtime, field)) for field, var in FLAG_VARIABLES.items()}
+    if not any(wanted.values()):
+        return {var: [] for var in wanted}
+    if environ is None and _backends_started():
+        raise RuntimeError(
+            "runtime.xla_flags / runtime.libtpu_init_args must be set before JAX starts a "
+            "backend (XLA reads them once per process)"
+        )
+    added: dict[str, list[str]] = {}
+    for var, flags in wanted.items():
+        current = env.get(var, "")
+        given = _flag_names(current)
+        new = [f for f in flags if f.lstrip("-").split("=", 1)[0] not in given]
+        kept = [f for f in flags if f not in new]
+        if kept:
+            logging.getLogger("jaxlab.runtime").warning(
+                "%s already names %s: the variable's value stays", var, ", ".join(kept)
+            )
+        if new:
+            env[var] = " ".join([current, *new]).strip()
+        added[var] = new
+    return added
+
+
 def configure_platform(platform: str) -> None:
     """Pin JAX to ``platform`` ('auto' leaves JAX's own choice alone).
 
@@ -139,7 +187,9 @@ def enable_compilation_cache(path: str | os.PathLike[str] | None) -> Path | None
 
 def configure_runtime(runtime: RuntimeConfig) -> None:
     """What a command that runs the model sets up from ``runtime`` before anything
-    compiles: the platform (:func:`configure_platform`) and the persistent compilation
-    cache (:func:`enable_compilation_cache`). ``jaxlab bench`` calls only the former."""
+    compiles: the platform (:func:`configure_platform`), the config's XLA flags
+    (:func:`apply_flag_config`) and the persistent compilation cache
+    (:func:`enable_compilation_cache`). ``jaxlab bench`` calls only the first two."""
     configure_platform(runtime.platform)
+    apply_flag_config(runtime)
     enable_compilation_cache(runtime.compilation_cache_dir)

@@ -24,7 +24,9 @@ aiohttp's cost per request is several times lower than httpx's (measured in
 docs/serving.md, "Load benchmark"). Each stream is read to its end, after ``[DONE]``, so
 the connection goes back to the pool and the next request reuses it.
 
-A client only: it imports nothing of the server and loads any URL that speaks the API.
+A client only: it imports nothing of the server and loads any URL that speaks the API:
+``http(s)://HOST:PORT[/prefix]``, or ``unix:PATH`` for a server on a unix socket
+(``jaxlab serve --uds PATH``), reached through ``aiohttp.UnixConnector``.
 """
 
 from __future__ import annotations
@@ -189,9 +191,21 @@ def completion_bodies(
     return out
 
 
+#: ``unix:PATH``: a server listening on the unix socket ``PATH``.
+UNIX_SCHEME = "unix:"
+
+
+def unix_socket(url: str) -> str | None:
+    """The socket path of a ``unix:PATH`` URL, else None."""
+    return url[len(UNIX_SCHEME) :] if url.startswith(UNIX_SCHEME) else None
+
+
 def completions_url(url: str) -> str:
     """The ``/v1/completions`` endpoint under a server's base ``url`` (which may carry a path
-    prefix, e.g. behind a proxy)."""
+    prefix, e.g. behind a proxy). Over a unix socket (``unix:PATH``) the host part is only
+    the ``Host`` header: ``http://localhost/v1/completions``."""
+    if unix_socket(url) is not None:
+        return "http://localhost/v1/completions"
     return url.rstrip("/") + "/v1/completions"
 
 
@@ -242,12 +256,20 @@ async def one_request(
     return res
 
 
-def _session(api_key: str | None, connections: int, timeout_s: float) -> aiohttp.ClientSession:
+def _session(
+    api_key: str | None, connections: int, timeout_s: float, *, url: str | None = None
+) -> aiohttp.ClientSession:
+    """A client session of ``connections`` connections: TCP, or to the socket of a
+    ``unix:PATH`` ``url``."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    path = None if url is None else unix_socket(url)
+    connector = (
+        aiohttp.TCPConnector(limit=connections)
+        if path is None
+        else aiohttp.UnixConnector(path=path, limit=connections)
+    )
     return aiohttp.ClientSession(
-        headers=headers,
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-        connector=aiohttp.TCPConnector(limit=connections),
+        headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), connector=connector
     )
 
 
@@ -262,7 +284,7 @@ async def closed_loop_async(
     todo = list(reversed(bodies))
     results: list[RequestResult] = []
     endpoint = completions_url(url)
-    async with _session(api_key, concurrency, timeout_s) as session:
+    async with _session(api_key, concurrency, timeout_s, url=url) as session:
 
         async def worker() -> None:
             while todo:
@@ -285,7 +307,7 @@ async def poisson_async(
 ) -> LoadResult:
     rng = random.Random(seed)
     endpoint = completions_url(url)
-    async with _session(api_key, max(len(bodies), 1), timeout_s) as session:
+    async with _session(api_key, max(len(bodies), 1), timeout_s, url=url) as session:
         t0, c0 = time.perf_counter(), time.process_time()
         tasks = []
         t_next = 0.0

@@ -8,6 +8,11 @@ shutdown stops the engine thread, ``draining -> stopped``). A second signal duri
 cuts it short: uvicorn stops waiting for connections, and requests still in flight fail. A
 signal after the drain is over changes nothing: the shutdown is already under way.
 
+It listens on TCP, or on a unix socket (``uds``: ``jaxlab serve --uds PATH``, the usual
+set-up behind a reverse proxy on the same host, and the one transport a sandbox without
+TCP leaves). Either way the socket is bound here, before the model loads, and handed to
+uvicorn; a unix socket's file is removed again when the server exits.
+
 It knows no requests and no model: the app (:mod:`jaxlab.serve.app`) and the service do.
 """
 
@@ -15,8 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
 import logging
+import os
 import socket
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +62,52 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def url_for(host: str, port: int) -> str:
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"
+
+
+def bind_unix_socket(path: str | os.PathLike[str]) -> socket.socket:
+    """A unix stream socket bound at ``path`` (its URL: :func:`unix_url`).
+
+    A socket file that no server answers on (left by one that was killed) is replaced; a
+    live server's socket, or a file that is not a socket, raises ``OSError`` naming it.
+    """
+    where = os.fspath(path)
+    try:
+        mode = os.lstat(where).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            raise OSError(errno.EEXIST, f"{where} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(where)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(where)  # stale: nobody listens there
+        else:
+            raise OSError(errno.EADDRINUSE, f"a server is already listening on {where}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(where)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def unix_url(path: str | os.PathLike[str]) -> str:
+    """``unix:PATH``: how jaxlab names a server on a unix socket (``jaxlab bench serve
+    --url``, :mod:`jaxlab.serve.loadgen`)."""
+    return f"unix:{os.fspath(path)}"
+
+
+def _remove_socket_file(path: str, inode: int) -> None:
+    """Remove the socket file at ``path`` if it is still the one this server bound."""
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == inode:
+            os.unlink(path)
 
 
 class DrainingServer(uvicorn.Server):
@@ -152,19 +207,27 @@ def run_server(
     *,
     host: str | None = None,
     port: int | None = None,
+    uds: str | os.PathLike[str] | None = None,
     on_listening: Callable[[str, int], None] | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> ServeResult:
     """Serve ``service`` in this (main) thread until SIGTERM/SIGINT or a failed load.
 
-    ``on_listening(url, port)`` runs once the socket is bound (the model still loading),
-    ``on_ready(url)`` when the model is ready.
+    ``uds``: listen on this unix socket instead of ``host:port`` (the URL is then
+    ``unix:PATH`` and the port 0). ``on_listening(url, port)`` runs once the socket is
+    bound (the model still loading), ``on_ready(url)`` when the model is ready.
     """
     host = service.serve_cfg.host if host is None else host
     port = service.serve_cfg.port if port is None else port
-    sock = bind_socket(host, port)
-    bound = sock.getsockname()[1]
-    url = url_for(host, bound)
+    if uds is not None:
+        sock = bind_unix_socket(uds)
+        bound, url = 0, unix_url(uds)
+        cleanup = functools.partial(_remove_socket_file, os.fspath(uds), os.stat(uds).st_ino)
+    else:
+        sock = bind_socket(host, port)
+        bound = sock.getsockname()[1]
+        url = url_for(host, bound)
+        cleanup = None
     server = DrainingServer(_uvicorn_config(create_app(service), host, bound), service)
 
     def on_change(old: ModelState, new: ModelState) -> None:
@@ -174,10 +237,14 @@ def run_server(
             server.should_exit = True
 
     service.lifecycle.add_listener(on_change)
-    if on_listening is not None:
-        on_listening(url, bound)
-    with contextlib.closing(sock):
-        server.run(sockets=[sock])
+    try:
+        if on_listening is not None:
+            on_listening(url, bound)
+        with contextlib.closing(sock):
+            server.run(sockets=[sock])
+    finally:
+        if cleanup is not None:
+            cleanup()
     return ServeResult(
         server.signal, server.drained, server.forced, service.state, service.lifecycle.error
     )
@@ -193,18 +260,33 @@ class ServerThread:
             urllib.request.urlopen(srv.url + "/ready")
     """
 
-    def __init__(self, service: ModelService, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        service: ModelService,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        uds: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.service = service
         self.host = host
-        self._sock = bind_socket(host, port)
-        self.port: int = self._sock.getsockname()[1]
-        self.url = url_for(host, self.port)
+        self.uds = None if uds is None else os.fspath(uds)
+        if self.uds is not None:  # a unix socket: url unix:PATH, port 0
+            self._sock = bind_unix_socket(self.uds)
+            self.port: int = 0
+            self.url = unix_url(self.uds)
+            self._inode: int | None = os.stat(self.uds).st_ino
+        else:
+            self._sock = bind_socket(host, port)
+            self.port = self._sock.getsockname()[1]
+            self.url = url_for(host, self.port)
+            self._inode = None
         self.server = DrainingServer(_uvicorn_config(create_app(service), host, self.port), service)
         self._thread = threading.Thread(
             target=self.server.run,
             kwargs={"sockets": [self._sock]},
             daemon=True,
-            name=f"jaxlab-serve-{self.port}",
+            name=f"jaxlab-serve-{self.uds or self.port}",
         )
 
     def start(self, timeout_s: float = 30.0) -> ServerThread:
@@ -234,6 +316,8 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(timeout_s)
         self._sock.close()
+        if self.uds is not None and self._inode is not None:
+            _remove_socket_file(self.uds, self._inode)
 
     def wait_exit(self, timeout_s: float | None = None) -> bool:
         """Wait for the server thread to end; True if it did."""
@@ -256,6 +340,8 @@ __all__ = [
     "ServeResult",
     "ServerThread",
     "bind_socket",
+    "bind_unix_socket",
     "run_server",
+    "unix_url",
     "url_for",
 ]

@@ -84,6 +84,15 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.config_path, run_identity(cfg))
 
+    def holds(self, cfg: JaxlabConfig) -> bool:
+        """Whether this run's stored config is ``cfg``'s identity (:func:`run_identity`),
+        compared as configs rather than as text: a field added to jaxlab since the run was
+        made reads as its default, and a value an older jaxlab wrote differently (``remat
+        = false``) as what it means now."""
+        from jaxlab.config import load_config
+
+        return run_identity(load_config(self.config_path, environ={})) == run_identity(cfg)
+
     def load_config(self, *, env_may_change: Sequence[str] | None = None) -> JaxlabConfig:
         """The run's config; JAXLAB_* variables still apply (e.g. the distributed launch).
 
@@ -125,6 +134,7 @@ class RunDir:
             "versions": inv.pop("versions"),
             "devices": inv,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
             "jaxlab_env": {
                 k: ("***" if "API_KEY" in k else v)
                 for k, v in sorted(os.environ.items())

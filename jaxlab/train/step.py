@@ -2,8 +2,10 @@
 
 ``TrainState`` is a plain dict pytree so Orbax saves and restores it without adapters::
 
-    params      nnx.State of the model's parameters (param_dtype, f32 master weights)
-    opt_state   optax state (AdamW moments, schedule count)
+    params      nnx.State of the parameters the model reads (train.precision.param_dtype)
+    master      with train.precision.master_dtype only: the master weights, which the
+                optimizer updates; ``params`` are rounded from them after every update
+    opt_state   optax state (AdamW moments, schedule count), of the master weights if any
     step        int32 scalar: optimizer updates done so far
     rng         the root PRNG key (uint32[2]); dropout uses fold_in(rng, step)
     skipped     int32 scalar: updates dropped by the non-finite guard ('skip' policy)
@@ -13,6 +15,11 @@ Gradient accumulation runs as a ``lax.scan`` over micro-batches inside the one j
 step. Each micro-batch contributes the gradient of its *summed* token loss, and the sum
 is divided by the global number of real tokens once, so k micro-batches give the same
 update as one step on the k-times batch (up to f32 summation order).
+
+Master weights (``precision.master_dtype``): the loss is differentiated with respect to
+the narrow ``params`` the model reads; each micro-batch's gradient is widened to the master
+dtype before it is accumulated, clipped and applied to ``master``, and ``params`` are
+``master`` rounded. Without them the optimizer updates ``params`` directly.
 
 The non-finite guard costs no extra host sync: the step itself keeps the old state when
 the loss or gradient norm is not finite and records ``bad_step``; the loop reads it with
@@ -29,6 +36,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxlab.config.schema import ModelConfig, PrecisionConfig
+from jaxlab.model import make_model, split_model
 from jaxlab.model.loss import head_cross_entropy
 
 Array = jax.Array
@@ -36,15 +45,54 @@ TrainState = dict[str, Any]
 Batch = dict[str, Array]
 
 
-def init_state(params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    return {
-        "params": params,
+def cast_tree(tree: Any, dtype: Any) -> Any:
+    """Every floating-point leaf of ``tree`` in ``dtype``."""
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+    )
+
+
+def initial_params(
+    model_cfg: ModelConfig, precision: PrecisionConfig, seed: int, *, remat: bool | str = False
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graphdef and its initial parameters: in ``precision.master_dtype`` when
+    master weights are on (what :func:`init_state` keeps as ``master``, rounding the
+    model's ``params`` from it), else in ``param_dtype``.
+
+    Either way the values are the same draw (the initialiser draws in float32 first), so a
+    run with master weights starts from the master copy of the run without them."""
+    if precision.master_dtype is None:
+        return split_model(make_model(model_cfg, precision, seed, remat=remat))
+    wide = precision.model_copy(
+        update={"param_dtype": precision.master_dtype, "master_dtype": None}
+    )
+    graphdef, _ = split_model(
+        nnx.eval_shape(lambda: make_model(model_cfg, precision, seed, remat=remat))
+    )
+    return graphdef, split_model(make_model(model_cfg, wide, seed, remat=remat))[1]
+
+
+def init_state(
+    params: nnx.State,
+    tx: optax.GradientTransformation,
+    seed: int,
+    *,
+    param_dtype: Any = None,
+) -> TrainState:
+    """The initial train state. With ``param_dtype`` (master weights on), ``params`` are the
+    master copy: kept as ``master``, the optimizer's, and rounded to ``param_dtype`` as the
+    ``params`` the model reads."""
+    state = {
+        "params": params if param_dtype is None else cast_tree(params, param_dtype),
         "opt_state": tx.init(params),
         "step": jnp.zeros((), jnp.int32),
         "rng": jax.random.PRNGKey(seed),
         "skipped": jnp.zeros((), jnp.int32),
         "bad_step": jnp.full((), -1, jnp.int32),
     }
+    if param_dtype is not None:
+        state["master"] = params
+    return state
 
 
 def token_losses(
@@ -97,11 +145,19 @@ def make_train_step(
 
     def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Array]]:
         params = state["params"]
+        # The optimizer's weights: the master copy if there is one.
+        master = state.get("master", params)
         step = state["step"]
         key = jax.random.fold_in(state["rng"], step) if dropout else None
 
+        def widen(g: Any) -> Any:  # a gradient in the master weights' dtypes
+            return (
+                g if master is params else jax.tree.map(lambda a, m: a.astype(m.dtype), g, master)
+            )
+
         if grad_accum_steps == 1:
             (total, (n, correct)), grads = grad_fn(params, batch, key)
+            grads = widen(grads)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]),
@@ -113,10 +169,10 @@ def make_train_step(
                 i, mb = xs
                 k = None if key is None else jax.random.fold_in(key, i)
                 (total, (n, correct)), g = grad_fn(params, mb, k)
-                g_acc = jax.tree.map(jnp.add, g_acc, g)
+                g_acc = jax.tree.map(jnp.add, g_acc, widen(g))
                 return (g_acc, l_acc + total, n_acc + n, c_acc + correct), None
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
+            zeros = jax.tree.map(jnp.zeros_like, master)
             init = (zeros, jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
             (grads, total, n, correct), _ = jax.lax.scan(
                 body, init, (jnp.arange(grad_accum_steps), micro)
@@ -126,8 +182,13 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = total / denom
         grad_norm = optax.tree.norm(grads)
-        updates, new_opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
+        updates, new_opt_state = tx.update(grads, state["opt_state"], master)
+        new_master = optax.apply_updates(master, updates)
+        new_params = (
+            new_master
+            if master is params
+            else jax.tree.map(lambda m, p: m.astype(p.dtype), new_master, params)
+        )
 
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # Either policy keeps the last good state: 'abort' stops the loop at its next
@@ -141,6 +202,8 @@ def make_train_step(
             "skipped": state["skipped"] + (~finite).astype(jnp.int32),
             "bad_step": jnp.where((state["bad_step"] < 0) & ~finite, step + 1, state["bad_step"]),
         }
+        if master is not params:
+            new_state["master"] = keep(new_master, master)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -30,11 +30,12 @@ from jaxlab.checkpoint import Checkpointer, Restored
 from jaxlab.config import JaxlabConfig
 from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
 from jaxlab.data.cache import default_cache_dir
-from jaxlab.model import flops_per_token, make_model, split_model
+from jaxlab.model import flops_per_token
 from jaxlab.parallel import build_mesh, check_model_fits, describe_mesh, place_batch
 from jaxlab.parallel.distributed import barrier, is_primary
 from jaxlab.parallel.rules import state_shardings
 from jaxlab.runtime.compiled import ShapeKeyedJit
+from jaxlab.runtime.datasheet import datasheet_for
 from jaxlab.runtime.peak import matmul_peak_gflops
 from jaxlab.tokenizer import Tokenizer, bpe_tokenizer, byte_tokenizer
 from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
@@ -43,6 +44,7 @@ from jaxlab.train.step import (
     TrainState,
     abstract_like,
     init_state,
+    initial_params,
     make_eval_step,
     make_train_step,
 )
@@ -178,7 +180,7 @@ class Trainer:
         barrier("jaxlab-run-dir-checked")
         if new_run and self.primary:
             self.run_dir.create(cfg)
-        elif not new_run and self.run_dir.config_path.read_text() != run_identity(cfg):
+        elif not new_run and not self.run_dir.holds(cfg):
             raise ValueError(
                 f"{self.run_dir.path} holds a different config; use a new --run-dir or "
                 f"'jaxlab resume --run-dir {self.run_dir.path}'"
@@ -204,17 +206,21 @@ class Trainer:
             jax.process_count(),
         )
         t = cfg.train
-        model = make_model(cfg.model, t.precision, seed=cfg.runtime.seed, remat=t.remat)
-        self.graphdef, params = split_model(model)
+        # The initial params are the master weights when those are on (init_state rounds).
+        self.graphdef, params = initial_params(
+            cfg.model, t.precision, cfg.runtime.seed, remat=t.remat
+        )
+        master = t.precision.master_dtype is not None
         self.schedule = learning_rate_schedule(t)
         self.tx = make_optimizer(t)
         # Sharding is a value: the mesh and the state's shardings decide the parallelism;
         # the step below is the same code for 1 device, N devices and N processes.
         self.mesh = build_mesh(cfg.parallel)
         check_model_fits(cfg.model, self.mesh)
-        self.state_shardings = state_shardings(params, self.tx, self.mesh)
+        self.state_shardings = state_shardings(params, self.tx, self.mesh, master=master)
+        param_dtype = t.precision.param_dtype if master else None
         self.state: TrainState = jax.jit(
-            lambda p: init_state(p, self.tx, cfg.runtime.seed),
+            lambda p: init_state(p, self.tx, cfg.runtime.seed, param_dtype=param_dtype),
             out_shardings=self.state_shardings,
         )(params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -241,7 +247,9 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
         )
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, training=True)
+        #: The MFU denominator (GFLOP/s, every device together) and what it is.
         self.peak_gflops: float | None = None
+        self.mfu_basis: str | None = None
         if self.primary and (new_run or not self.run_dir.manifest_path.is_file()):
             self.run_dir.write_manifest(
                 cfg,
@@ -338,14 +346,42 @@ class Trainer:
         if self.primary:
             self.run_dir.append_metrics(*records)
 
-    def run(self, stop_at: int | None = None) -> TrainSummary:
+    def _mfu_denominator(self) -> tuple[float, str]:
+        """``(GFLOP/s, what it is)``: the devices' datasheet peak for the compute dtype where
+        one is known (:mod:`jaxlab.runtime.datasheet`), else a quick matmul probe on this
+        device (about half a second; below a CPU's best, so MFU reads high)."""
+        dtype = str(self.cfg.train.precision.compute_dtype)
+        sheet = datasheet_for(jax.devices()[0].device_kind)
+        peak = None if sheet is None else sheet.matmul_gflops(dtype)
+        if sheet is not None and peak is not None:
+            n = jax.device_count()
+            return peak * n, f"datasheet: {n} x {sheet.describe(dtype)}"
+        return matmul_peak_gflops(dtype), f"measured: {dtype} matmul n=1024 at start-up"
+
+    def run(
+        self, stop_at: int | None = None, *, profile: tuple[int, int] | None = None
+    ) -> TrainSummary:
+        """Train until the step counter reaches ``stop_at`` (default ``train.steps``).
+
+        ``profile=(START, STOP)``: a ``jax.profiler`` trace (``<run_dir>/profile/``, by the
+        primary process) of the steps that take the counter from ``START`` to ``STOP``,
+        with ``start <= START < STOP <= stop_at``; the device is waited for at both ends,
+        so the trace holds exactly those steps' work.
+        """
         cfg = self.cfg
         stop_at = stop_at or cfg.train.steps
         start = self.step
+        if profile is not None and not start <= profile[0] < profile[1] <= stop_at:
+            raise ValueError(
+                f"profile steps {profile[0]}:{profile[1]} must lie within this run's steps "
+                f"{start}:{stop_at}"
+            )
         self._set_aside_unreadable()
         self.observer.on_start(self, start, stop_at)
         if self.peak_gflops is None:
-            self.peak_gflops = matmul_peak_gflops(cfg.train.precision.compute_dtype)
+            self.peak_gflops, self.mfu_basis = self._mfu_denominator()
+            # Every step's "mfu" divides by this: say so once, beside them.
+            self._log({"event": "mfu", "peak_gflops": self.peak_gflops, "basis": self.mfu_basis})
 
         batch = self._device_batch(start)
         self.step_fn.compile_for(self.state, batch)
@@ -421,6 +457,10 @@ class Trainer:
                     f"lower train.optimizer.learning_rate or set train.nonfinite_policy='skip'"
                 )
 
+        tracing = profile is not None and self.primary
+        trace_dir = self.run_dir.path / "profile"
+        trace_on = False
+
         with self._signals():
             try:
                 step = start
@@ -429,8 +469,22 @@ class Trainer:
                         flush()
                         self.save(force=True, wait=True)
                         raise Preempted(self._signal, self.step, self.run_dir.path)
+                    if tracing and profile is not None and step == profile[0]:
+                        jax.block_until_ready(self.state)
+                        jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+                        trace_on = True
                     self.state, metrics = self.step_fn(self.state, batch)
                     step += 1
+                    if trace_on and profile is not None and step == profile[1]:
+                        jax.block_until_ready((self.state, metrics))
+                        jax.profiler.stop_trace()
+                        trace_on = False
+                        self._log(
+                            {"event": "profile", "steps": list(profile), "dir": str(trace_dir)}
+                        )
+                        self.observer.on_event(
+                            f"profiled steps {profile[0]}:{profile[1]} into {trace_dir}"
+                        )
                     pending.append((step, metrics))
                     self.observer.on_dispatch(step)
                     if step < stop_at:
@@ -446,6 +500,8 @@ class Trainer:
                     raise Preempted(self._signal, self.step, self.run_dir.path)
                 self.save(force=True, wait=True)
             finally:
+                if trace_on:
+                    jax.profiler.stop_trace()
                 self.checkpointer.wait()
 
         evaluation = self.evaluate()
@@ -465,7 +521,11 @@ class Trainer:
             checkpoints=self.checkpointer.steps(),
             skipped_steps=skipped,
             eval=evaluation,
-            extra={"peak_gflops": self.peak_gflops, "recompiles": self.step_fn.compiles - 1},
+            extra={
+                "peak_gflops": self.peak_gflops,
+                "mfu_basis": self.mfu_basis,
+                "recompiles": self.step_fn.compiles - 1,
+            },
         )
 
     # ------------------------------------------------------------------ eval

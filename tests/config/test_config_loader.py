@@ -24,17 +24,34 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def test_presets_ship_with_exact_reference_shapes():
-    assert {"tiny", "small", "bench-tiny", "bench-small"} <= set(preset_names())
+    assert {"tiny", "small", "bench-tiny", "bench-small", "tpu-small", "tpu-medium"} <= set(
+        preset_names()
+    )
     shapes = {
         "tiny": (512, 2, 64, 4, 4, 256, 64, 8),
         "bench-tiny": (4096, 2, 128, 4, 4, 512, 128, 32),
         "bench-small": (8192, 4, 256, 4, 4, 1024, 256, 16),
+        "tpu-small": (32768, 12, 768, 12, 12, 3072, 1024, 16),
+        "tpu-medium": (32768, 24, 1024, 16, 16, 4096, 1024, 16),
     }
     for name, want in shapes.items():
         c = load_config(name, environ={})
         m = c.model
         got = (m.vocab_size, m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_mlp)
         assert (*got, c.data.seq_len, c.train.batch_size) == want, name
+
+
+def test_the_tpu_presets_compute_in_bf16_at_their_documented_sizes():
+    from jaxlab.model import param_count
+
+    small, medium = load_config("tpu-small", environ={}), load_config("tpu-medium", environ={})
+    assert round(param_count(small.model) / 1e6, 1) == 163.6
+    assert round(param_count(medium.model) / 1e6, 1) == 469.8
+    for c in (small, medium):
+        assert c.train.precision.compute_dtype == "bfloat16"
+        assert c.model.head_dim == 64 and c.tokenizer.n_vocab == c.model.vocab_size
+    # The medium preset's batch is sized for one 16 GB chip: accumulated, with remat.
+    assert (medium.train.grad_accum_steps, medium.train.remat) == (2, "full")
 
 
 def test_each_source_beats_the_one_below(tmp_path):
@@ -88,7 +105,7 @@ def test_set_values_parse_as_toml_literals():
     )
     assert c.model.mlp == "gelu"
     assert c.inference.prefill_buckets == [16, 32, 64]
-    assert c.train.remat is True
+    assert c.train.remat == "full"  # a boolean (older configs) names a policy
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# The TPU measurements of issue #34, in phases that each fit one device call (<= 10 min).
+#
+#   bash jaxlab/bench/tpu_bench.sh PHASE [PHASE...]       from the repository root
+#
+# Phases, in the order worth running them (estimates for one v5e chip; compile time is the
+# unknown, so every phase stops itself at the budget and keeps what it measured):
+#
+#   small    the decode suite of tpu-small with bf16 weights (bytes per step, GB/s, batch
+#            1..32; profiled), then peak and the knobs of tpu-small, most telling first: the
+#            preset, the attention kernel of issue #34's 65k tokens/s (xla), bf16 params +
+#            f32 master weights, scan, twice the batch, the remat policies. About 8-9 min.
+#   medium   the knobs of tpu-medium: the preset (16 as 2 x 8, full remat), lighter remat
+#            policies, scan, master weights, micro-batch 4 with and without remat (issue
+#            #34's 35% run), twice the batch; remat none last (expected not to fit). 7-9 min.
+#   serve    a one-step tpu-small run dir (byte tokenizer, bf16 weights), `jaxlab serve --uds`
+#            with 64 slots, `jaxlab bench serve --url unix:...` (closed loop up to 64
+#            concurrent, Poisson) from a CPU-only client process. About 5-6 min.
+#   flags    the tpu-small preset's train step alone (profiled: its trace comes back), then
+#            under XLA flag sets, one process each (libtpu reads them once): the scoped VMEM
+#            limit at 64 and 96 MiB. About 3-4 min.
+#   cpu-serve  the serve phase on the CPU (run it on the 2-core machine, not the TPU, with
+#            PYTHON=.venv/bin/python TPU_BENCH_BUDGET_S=7200): the same server and load, for
+#            the 10x comparison. Long (tens of minutes).
+#
+# On the device machine (the `device` tool), with the project's wheels carried:
+#   carry: [".whl-tpu"]   command: bash jaxlab/bench/tpu_bench.sh small
+# It installs .whl-tpu/*.whl (and tensorstore from the machine's own index) under /tmp once
+# per machine, keeps the machine's JAX first on PYTHONPATH, and writes the record sets under
+# $TPU_BENCH_DIR (artifacts/tpu-bench), then one tarball per call into $OUT (without the
+# profiler traces, but for a train step's and a decode call's). TPU_BENCH_BUDGET_S (default 540)
+# bounds the call's measuring time. Unpack with `tar xzf tpu-bench-*.tgz -C docs/benchmarks`
+# (each run directory is a record set), then `jaxlab bench results docs/benchmarks/*`.
+#
+# For a dry run of the machinery on a CPU (tests/bench/test_tpu_bench_script.py does this):
+# TPU_BENCH_PLATFORM=cpu, TPU_BENCH_SMALL / TPU_BENCH_MEDIUM (presets to use instead) and
+# TPU_BENCH_ARGS (more options for every `jaxlab bench`, e.g. --quick).
+set -uo pipefail
+
+cd "$(dirname "$0")/../.."
+PY="${PYTHON:-python3}"
+PLATFORM="${TPU_BENCH_PLATFORM:-tpu}"
+SMALL="${TPU_BENCH_SMALL:-tpu-small}"
+MEDIUM="${TPU_BENCH_MEDIUM:-tpu-medium}"
+read -r -a ARGS <<<"${TPU_BENCH_ARGS:-}"
+BUDGET_S="${TPU_BENCH_BUDGET_S:-540}"
+DIR="${TPU_BENCH_DIR:-artifacts/tpu-bench}"
+OUT="${OUT:-$DIR/out}"
+T0=$(date +%s)
+mkdir -p "$DIR" "$OUT"
+LOG="$OUT/tpu-bench.log"
+export PYTHONUNBUFFERED=1
+
+say() { echo "[tpu-bench $(($(date +%s) - T0))s] $*" | tee -a "$LOG" >&2; }
+
+left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+
+# Run a jaxlab command with what is left of the budget (minus a margin to pack up).
+jx() {
+    local t=$(($(left) - 25))
+    if [ "$t" -lt 30 ]; then
+        say "skipped (budget): jaxlab $*"
+        return 124
+    fi
+    say "jaxlab $* (timeout ${t}s)"
+    timeout --signal=INT --kill-after=15 "$t" "$PY" -m jaxlab "$@" >>"$LOG" 2>&1
+    local rc=$?
+    say "exit $rc"
+    return $rc
+}
+
+setup() {
+    local site=/tmp/jaxlab-site
+    if [ "$PLATFORM" = tpu ] && [ ! -f "$site/.done" ]; then
+        say "installing .whl-tpu/*.whl and tensorstore into $site"
+        PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --no-index --no-deps \
+            --no-compile --no-cache-dir --upgrade --target "$site" .whl-tpu/*.whl >>"$LOG" 2>&1 &&
+            PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --no-deps \
+                --no-compile --no-cache-dir --only-binary=:all: \
+                --index-url file:///opt/pypi/simple --target "$site" tensorstore >>"$LOG" 2>&1 &&
+            touch "$site/.done" || say "install failed: see $LOG"
+    fi
+    # The machine's JAX first; jaxlab from this checkout.
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site:$PWD"
+    "$PY" -c 'import jax, flax, optax, orbax.checkpoint, typer, aiohttp, uvicorn, jaxlab
+print("jax", jax.__version__, jax.devices())' >>"$LOG" 2>&1 || say "imports failed: see $LOG"
+}
+
+# knobs CONFIG VARIANT... : one `jaxlab bench knobs` run over these variants, most telling first.
+knobs() {
+    local config=$1
+    shift
+    local json
+    json=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
+    jx bench peak knobs --config "$config" --set "runtime.platform=$PLATFORM" \
+        --set "bench.train_variants=$json" --out "$DIR" ${KNOBS_EXTRA:-} "${ARGS[@]}"
+}
+
+phase_small() {
+    # Decode with bf16 weights: bytes per step and GB/s at batch 1, 4, 8, 16 and 32.
+    jx bench decode --config "$SMALL" --set "runtime.platform=$PLATFORM" \
+        --set train.precision.param_dtype=bfloat16 --profile --out "$DIR" "${ARGS[@]}"
+    knobs "$SMALL" \
+        "" \
+        "model.attention_impl=xla" \
+        "train.precision.param_dtype=bfloat16 train.precision.master_dtype=float32" \
+        "model.scan_layers=true" \
+        "train.batch_size=32 train.grad_accum_steps=2" \
+        "train.batch_size=32" \
+        "train.remat=save_qkv_out_proj" \
+        "train.remat=save_dots_no_batch" \
+        "train.remat=full" \
+        "train.remat=save_qkv_proj" \
+        "train.remat=save_dots"
+}
+
+phase_medium() {
+    knobs "$MEDIUM" \
+        "" \
+        "train.remat=save_dots_no_batch" \
+        "train.remat=save_qkv_out_proj" \
+        "model.scan_layers=true" \
+        "train.precision.param_dtype=bfloat16 train.precision.master_dtype=float32" \
+        "train.grad_accum_steps=4 train.remat=save_dots_no_batch" \
+        "train.grad_accum_steps=4 train.remat=none" \
+        "train.batch_size=32 train.grad_accum_steps=4" \
+        "train.remat=save_qkv_proj" \
+        "train.remat=none"
+}
+
+phase_flags() {
+    # The preset alone first, in this call: the flag runs' baseline (and a train step's trace).
+    KNOBS_EXTRA=--profile knobs "$SMALL" ""
+    local flag
+    for flag in ${TPU_BENCH_FLAGS:---xla_tpu_scoped_vmem_limit_kib=65536 --xla_tpu_scoped_vmem_limit_kib=98304}; do
+        jx bench peak knobs --config "$SMALL" --set "runtime.platform=$PLATFORM" \
+            --set 'bench.train_variants=[""]' \
+            --set "runtime.libtpu_init_args=[\"$flag\"]" --out "$DIR" "${ARGS[@]}"
+    done
+}
+
+# serve PLATFORM: a one-step run dir, the server on a unix socket, the load from a CPU client.
+phase_serve() {
+    local platform=$1
+    local run="$DIR/serve-run-$platform"
+    local sock
+    sock=$(mktemp -u /tmp/jaxlab-XXXXXX.sock)
+    local sets=(--set "runtime.platform=$platform" --set tokenizer.kind=byte
+        --set train.precision.param_dtype=bfloat16)
+    if [ ! -d "$run/checkpoints" ]; then
+        rm -rf "$run"
+        jx train --config "$SMALL" "${sets[@]}" --set data.source=synthetic \
+            --set data.seq_len=128 --set train.batch_size=1 --set train.steps=1 \
+            --set "runtime.artifacts_dir=$DIR/artifacts" --run-dir "$run" || return
+    fi
+    # One prompt bucket past the load's 64-token prompts: few compiles before /ready.
+    say "jaxlab serve --uds $sock"
+    local err="$OUT/serve-$platform.err"
+    "$PY" -m jaxlab serve --run-dir "$run" --uds "$sock" --json \
+        --set "runtime.platform=$platform" --set 'inference.prefill_buckets=[128]' \
+        --set serve.max_queue=512 >"$OUT/serve-$platform.json" 2>"$err" &
+    local server=$!
+    while ! grep -q "^ready: unix:" "$err" 2>/dev/null || ! [ -S "$sock" ]; do
+        if ! kill -0 "$server" 2>/dev/null || [ "$(left)" -lt 60 ]; then
+            say "the server did not get ready"
+            kill "$server" 2>/dev/null
+            return 1
+        fi
+        sleep 2
+    done
+    say "server ready"
+    # The client runs on the CPU: the chip is the server's (one process at a time holds it).
+    jx bench serve --cpu --config "$SMALL" --set tokenizer.kind=byte \
+        --set train.precision.param_dtype=bfloat16 --url "unix:$sock" --out "$DIR" "${ARGS[@]}"
+    kill -TERM "$server" 2>/dev/null
+    wait "$server"
+    say "server exit $?"
+}
+
+pack() {
+    local name=$1
+    local sets=()
+    local d
+    for d in "$DIR"/20*; do
+        [ -f "$d/records.jsonl" ] && sets+=("$(basename "$d")")
+    done
+    [ ${#sets[@]} -eq 0 ] && return
+    tar czf "$OUT/tpu-bench-$name.tgz" -C "$DIR" --exclude=profile "${sets[@]}"
+    # Two profiles come back whole: a train step's and the first (batch-1) decode call's.
+    local what trace
+    for what in knobs-step_time decode-generate_s; do
+        trace=$(find "$DIR" -path "*-$what/*" -name perfetto_trace.json.gz 2>/dev/null |
+            sort | head -1)
+        [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ] &&
+            cp "$trace" "$OUT/perfetto-$what.json.gz"
+    done
+    say "packed ${sets[*]} into $OUT/tpu-bench-$name.tgz"
+}
+
+[ $# -ge 1 ] || {
+    awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" >&2
+    exit 2
+}
+name=$(IFS=-; echo "$*")
+[ "$*" = cpu-serve ] && PLATFORM=cpu
+setup
+for phase in "$@"; do
+    case "$phase" in
+    small) phase_small ;;
+    medium) phase_medium ;;
+    flags) phase_flags ;;
+    serve) phase_serve "$PLATFORM" ;;
+    cpu-serve) phase_serve cpu ;;
+    *)
+        say "unknown phase $phase (small, medium, serve, flags, cpu-serve)"
+        exit 2
+        ;;
+    esac
+done
+pack "$name"
+say "done"

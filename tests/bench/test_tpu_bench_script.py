@@ -1,0 +1,69 @@
+"""``jaxlab/bench/tpu_bench.sh``, the TPU measurement script, dry-run on the CPU with the tiny
+preset: its phases run, the server on a unix socket gets ready, is loaded and drains, and
+the record sets come back packed. (The TPU itself is never needed by CI.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, clean_env
+
+SCRIPT = ROOT / "jaxlab" / "bench" / "tpu_bench.sh"
+
+
+def test_usage_without_a_phase_and_an_unknown_phase(tmp_path):
+    env = {**clean_env(), "PYTHON": sys.executable, "TPU_BENCH_DIR": str(tmp_path)}
+    r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "small" in r.stderr and "cpu-serve" in r.stderr
+    env |= {"TPU_BENCH_PLATFORM": "cpu", "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", str(SCRIPT), "fast"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "unknown phase fast" in r.stderr
+
+
+@pytest.mark.slow
+def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = {
+        **clean_env(),
+        "PYTHON": sys.executable,
+        "TPU_BENCH_PLATFORM": "cpu",
+        "TPU_BENCH_SMALL": "tiny",
+        "TPU_BENCH_ARGS": "--quick",
+        "TPU_BENCH_FLAGS": "--xla_tpu_scoped_vmem_limit_kib=65536",
+        "TPU_BENCH_DIR": str(tmp_path / "bench"),
+        "TPU_BENCH_BUDGET_S": "900",
+        "OUT": str(out),
+    }
+    env.pop("JAX_PLATFORMS")  # the script's --set runtime.platform decides
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "flags", "serve"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=1200,
+    )
+    log = (out / "tpu-bench.log").read_text()
+    assert r.returncode == 0, log[-3000:]
+    assert "server ready" in log and "server exit 0" in log and "skipped" not in log
+    with tarfile.open(out / "tpu-bench-flags-serve.tgz") as tar:
+        names = tar.getnames()
+        sets = sorted({n.split("/")[0] for n in names})
+        assert len(sets) == 3  # the preset alone, one flag set, and the server's load
+        assert not [n for n in names if "/profile/" in n]
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    metas = [json.loads((tmp_path / "unpacked" / s / "run.json").read_text()) for s in sets]
+    flagged = [m for m in metas if "--xla_tpu_scoped_vmem_limit_kib=65536" in m["libtpu_init_args"]]
+    assert len(flagged) == 1 and flagged[0]["suites"] == ["peak", "knobs"]
+    assert [m["suites"] for m in metas].count(["serve"]) == 1
+    assert (out / "perfetto-knobs-step_time.json.gz").stat().st_size > 0
+    doc = json.loads((out / "serve-cpu.json").read_text())
+    assert doc["url"].startswith("unix:") and not os.path.exists(doc["uds"])
+    assert "SIGTERM: drained" in (out / "serve-cpu.err").read_text()
+    assert Path(SCRIPT).stat().st_mode & 0o111, "executable"
