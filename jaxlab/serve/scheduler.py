@@ -339,6 +339,8 @@ class Scheduler:
                 self._blocked = True
                 break
             taken += 1
+        if taken:  # the pages are held from now on, through the prefill that follows
+            self._update_gauges()
         return taken
 
     def _place(self, entry: Entry) -> bool:

@@ -381,6 +381,19 @@ def test_page_gauges_and_usage_ratio(engine, made):
     assert metrics.kv_usage._value.get() == 0
 
 
+def test_page_gauges_count_an_admission_before_its_prefill_runs(engine, made):
+    """A long prefill must not read as an empty cache: admission itself moves the gauges."""
+    metrics = ServeMetrics()
+    sched = build(engine, num_pages=20, metrics=metrics)
+    made.append(sched)
+    submit(sched, request(prompt(9, 1), 20))
+    assert sched._admit(1) == 1  # pages held, nothing computed yet
+    assert sched.groups.pages_used == 4
+    assert metrics.pages_used._value.get() == 4
+    assert metrics.running._value.get() == 1
+    settle(sched)
+
+
 # ----------------------------------------------------------------------------- the property
 
 
