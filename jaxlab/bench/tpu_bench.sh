@@ -6,13 +6,15 @@
 # Phases, in the order worth running them (estimates for one v5e chip; compile time is the
 # unknown, so every phase stops itself at the budget and keeps what it measured):
 #
-#   small    the decode suite of tpu-small with bf16 weights (bytes per step, GB/s, batch
-#            1..32; profiled), then peak and the knobs of tpu-small, most telling first: the
-#            preset, the attention kernel of issue #34's 65k tokens/s (xla), bf16 params +
-#            f32 master weights, scan, twice the batch, the remat policies. About 8-9 min.
-#   medium   the knobs of tpu-medium: the preset (16 as 2 x 8, full remat), lighter remat
-#            policies, scan, master weights, micro-batch 4 with and without remat (issue
-#            #34's 35% run), twice the batch; remat none last (expected not to fit). 7-9 min.
+#   small    peak and the knobs of tpu-small, most telling first: the preset, the Pallas
+#            flash kernel, bf16 params + f32 master weights, twice the batch (with and
+#            without remat), scan, accumulation, the attention kernel of issue #34's 65k
+#            tokens/s (xla), a remat policy. About 8-9 min.
+#   decode   the decode suite of tpu-small with bf16 weights (bytes per step, GB/s, batch
+#            1..32) through the paged cache, for the default kernel and Pallas's. 3-5 min.
+#   medium   the knobs of tpu-medium: the preset (16 as 2 x 8, full remat), Pallas flash,
+#            lighter remat policies, micro-batch 4, master weights, scan; remat none last
+#            (expected not to fit). 7-9 min.
 #   serve    a one-step tpu-small run dir (byte tokenizer, bf16 weights), `jaxlab serve --uds`
 #            with 64 slots, `jaxlab bench serve --url unix:...` (closed loop up to 64
 #            concurrent, Poisson) from a CPU-only client process. About 5-6 min.
@@ -97,35 +99,40 @@ knobs() {
 }
 
 phase_small() {
-    # Decode with bf16 weights: bytes per step and GB/s at batch 1, 4, 8, 16 and 32.
-    jx bench decode --config "$SMALL" --set "runtime.platform=$PLATFORM" \
-        --set train.precision.param_dtype=bfloat16 --profile --out "$DIR" "${ARGS[@]}"
     knobs "$SMALL" \
         "" \
+        "model.attention_impl=pallas" \
+        "model.attention_impl=pallas train.precision.param_dtype=bfloat16 train.precision.master_dtype=float32" \
+        "model.attention_impl=pallas train.batch_size=32" \
+        "model.attention_impl=pallas train.batch_size=32 train.remat=save_qkv_out_proj" \
+        "model.attention_impl=pallas model.scan_layers=true" \
+        "model.attention_impl=pallas train.batch_size=32 train.grad_accum_steps=2" \
         "model.attention_impl=xla" \
-        "train.precision.param_dtype=bfloat16 train.precision.master_dtype=float32" \
-        "model.scan_layers=true" \
-        "train.batch_size=32 train.grad_accum_steps=2" \
-        "train.batch_size=32" \
-        "train.remat=save_qkv_out_proj" \
-        "train.remat=save_dots_no_batch" \
-        "train.remat=full" \
-        "train.remat=save_qkv_proj" \
-        "train.remat=save_dots"
+        "model.attention_impl=pallas train.remat=save_dots_no_batch"
+}
+
+phase_decode() {
+    # Decode with bf16 weights: bytes per step and GB/s at batch 1..32, through the paged
+    # cache, for the default kernel and for the Pallas one (paged_pallas).
+    local impl
+    for impl in ${TPU_BENCH_DECODE_IMPLS:-auto pallas}; do
+        jx bench decode --config "$SMALL" --set "runtime.platform=$PLATFORM" \
+            --set train.precision.param_dtype=bfloat16 --set "model.attention_impl=$impl" \
+            --out "$DIR" "${ARGS[@]}"
+    done
 }
 
 phase_medium() {
     knobs "$MEDIUM" \
         "" \
-        "train.remat=save_dots_no_batch" \
-        "train.remat=save_qkv_out_proj" \
-        "model.scan_layers=true" \
-        "train.precision.param_dtype=bfloat16 train.precision.master_dtype=float32" \
-        "train.grad_accum_steps=4 train.remat=save_dots_no_batch" \
-        "train.grad_accum_steps=4 train.remat=none" \
-        "train.batch_size=32 train.grad_accum_steps=4" \
-        "train.remat=save_qkv_proj" \
-        "train.remat=none"
+        "model.attention_impl=pallas" \
+        "model.attention_impl=pallas train.remat=save_dots_no_batch" \
+        "model.attention_impl=pallas train.remat=save_qkv_out_proj" \
+        "model.attention_impl=pallas train.grad_accum_steps=4 train.remat=save_dots_no_batch" \
+        "model.attention_impl=pallas train.precision.param_dtype=bfloat16 train.precision.master_dtype=float32" \
+        "model.attention_impl=pallas train.grad_accum_steps=4 train.remat=none" \
+        "model.attention_impl=pallas model.scan_layers=true" \
+        "model.attention_impl=pallas train.remat=none"
 }
 
 phase_flags() {
@@ -207,12 +214,13 @@ setup
 for phase in "$@"; do
     case "$phase" in
     small) phase_small ;;
+    decode) phase_decode ;;
     medium) phase_medium ;;
     flags) phase_flags ;;
     serve) phase_serve "$PLATFORM" ;;
     cpu-serve) phase_serve cpu ;;
     *)
-        say "unknown phase $phase (small, medium, serve, flags, cpu-serve)"
+        say "unknown phase $phase (small, decode, medium, serve, flags, cpu-serve)"
         exit 2
         ;;
     esac
