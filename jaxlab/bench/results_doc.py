@@ -261,10 +261,14 @@ def _matches(r: Record, suite: str, metric: str, case: dict[str, Any]) -> bool:
 
 
 def machine(r: Record) -> str:
-    """Where a record ran: the CPU's model on the CPU platform, else the devices."""
-    if r.devices.platform == "cpu":
-        return r.cpu.model
-    return f"{r.devices.count} x {r.devices.kind}"
+    """Where a record ran: the CPU's model on the CPU platform, else the devices; for a
+    server measured from another process (``server_platform``), the server's platform
+    first."""
+    here = r.cpu.model if r.devices.platform == "cpu" else f"{r.devices.count} x {r.devices.kind}"
+    server = r.derived.get("server_platform")
+    if server is not None and server != r.devices.platform:
+        return f"server on {server}, client on {here}"
+    return here
 
 
 def headline_table(recs: Sequence[Record]) -> list[str]:

@@ -76,7 +76,13 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
         paged_shapes,
         prefix_case,
     )
-    from jaxlab.serve.loadgen import closed_loop, completion_bodies, make_prompts, poisson
+    from jaxlab.serve.loadgen import (
+        closed_loop,
+        completion_bodies,
+        make_prompts,
+        poisson,
+        server_info,
+    )
 
     cfg = ctx.config
     prompt_len, new = _shape(ctx)
@@ -97,6 +103,8 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
         run(url, min(4, slots), min(4, slots), seed=999)  # untimed
 
     served = None if external else served_model(cfg)
+    # A server in another process: its records name its device beside the client's.
+    server = _server_fields(server_info(external, api_key=api_key)) if external else {}
     # Any request that fits the cache may ask for its length: the paged cases need more
     # than the sweep's ``new`` tokens.
     servers = None if served is None else Servers(served, cfg, cap, warm=warm, status=ctx.status)
@@ -122,7 +130,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
             load = run(url, n, c, seed=c)
             if c == COMPARE_CONCURRENCY and load.ok:
                 capacity = load.requests_per_s
-            extra = {"sampling": "greedy", **_groups(groups, SWEEP_SLOTS)}
+            extra = {"sampling": "greedy", **server, **_groups(groups, SWEEP_SLOTS)}
             yield from run_records(ctx, load, case, extra, in_process=not external)
         if capacity:
             n = 16 if ctx.quick else 48
@@ -131,7 +139,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                 case = {"mode": "poisson", "load": frac, "slots": slots_label, **base}
                 ctx.status(f"Poisson arrivals at {rate:.2f} req/s")
                 load = poisson(url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key)
-                extra = {"rate_per_s": rate, **_groups(groups, SWEEP_SLOTS)}
+                extra = {"rate_per_s": rate, **server, **_groups(groups, SWEEP_SLOTS)}
                 yield from run_records(ctx, load, case, extra, in_process=not external)
         if servers is None or served is None:
             ctx.status(f"measuring {external}: skipping the comparisons between servers")
@@ -174,6 +182,12 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
     finally:
         if servers is not None:
             servers.close()
+
+
+def _server_fields(info: dict[str, Any]) -> dict[str, Any]:
+    """The ``server_*`` fields of an external server's records, from its ``/ready``."""
+    keys = ("platform", "precision", "slots", "kv_pages", "page_size")
+    return {f"server_{k}": info[k] for k in keys if info.get(k) is not None}
 
 
 def _groups(groups: dict[int, int], slots: int) -> dict[str, int]:

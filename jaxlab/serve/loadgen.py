@@ -209,6 +209,26 @@ def completions_url(url: str) -> str:
     return url.rstrip("/") + "/v1/completions"
 
 
+def server_info(url: str, *, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    """What the server at ``url`` says of itself (its ``/ready`` document: platform,
+    precision, slots, KV pages...), or ``{}`` if it does not answer with one: a record of a
+    server in another process must name the server's device, not the client's."""
+
+    async def get() -> dict[str, Any]:
+        endpoint = completions_url(url).removesuffix("/v1/completions") + "/ready"
+        async with (
+            _session(api_key, 1, timeout_s, url=url) as session,
+            session.get(endpoint) as r,
+        ):
+            doc = await r.json(content_type=None)
+        return doc if isinstance(doc, dict) else {}
+
+    try:
+        return asyncio.run(get())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return {}
+
+
 async def one_request(
     session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any]
 ) -> RequestResult:
@@ -392,4 +412,5 @@ __all__ = [
     "one_request",
     "poisson",
     "poisson_async",
+    "server_info",
 ]

@@ -166,6 +166,9 @@ def test_url_measures_a_running_server_and_skips_the_slot_comparison(tmp_path):
     assert all(x.derived["errors"] == 0 for x in e2e)
     assert not [x for x in records if x.metric == "slots_speedup"]
     assert served == sum(x.derived["requests"] for x in e2e)
+    # The records name the server's device (from its /ready), not only the client's.
+    assert all(x.derived["server_platform"] == "cpu" for x in e2e)
+    assert all(x.derived["server_slots"] == 4 and x.derived["server_kv_pages"] > 0 for x in e2e)
 
 
 @pytest.mark.slow
