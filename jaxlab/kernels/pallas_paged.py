@@ -146,10 +146,10 @@ def _visible(item: _Item, plan: PagedPlan, shape: tuple[int, int], holes: bool) 
     inside the row's length and, with ``holes``, on a page that is present."""
     slot = lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = item.first + slot < item.length
-    if holes:
-        page = slot // plan.page_size
+    if holes:  # compares with constants: no vector integer division for Mosaic to lower
+        ps = plan.page_size
         for i, missing in enumerate(item.missing):
-            visible = visible & ~((page == i) & missing)
+            visible = visible & ~((slot >= i * ps) & (slot < (i + 1) * ps) & missing)
     return visible
 
 
@@ -181,7 +181,7 @@ def _kernel(
         return _Item(refs, plan, num_pages, step * rows + r, block)
 
     def n_blocks(r: Array) -> Array:
-        return jnp.maximum(1, (lengths_ref[step * rows + r] + tokens - 1) // tokens)
+        return jnp.maximum(1, lax.div(lengths_ref[step * rows + r] + tokens - 1, tokens))
 
     def compute(r: Array, it: _Item, slot: Array, masked: bool, holes: bool) -> None:
         if masked:
