@@ -138,11 +138,6 @@ class PagedPlan:
         """The most positions a row can see: every table page."""
         return self.max_pages * self.page_size
 
-    def blocks_for(self, length: int) -> int:
-        """Compute blocks a row of ``length`` visible tokens walks: at least one, so every
-        row's output is written (a row that sees nothing comes out as zeros)."""
-        return max(1, -(-min(length, self.max_tokens) // self.block_tokens))
-
 
 def make_plan(
     blocks: PagedBlocks,
@@ -193,18 +188,11 @@ def mosaic_problem(page_size: int, pool_dtype: DTypeLike) -> str | None:
     return None
 
 
-def lane_dense(plan: PagedPlan) -> bool:
-    """A block's logits ``[G, tokens]`` fill whole vregs (the default plans do when the
-    page size divides 128)."""
-    return plan.block_tokens % LANES == 0
-
-
 __all__ = [
     "LANES",
     "VMEM_BUFFER_BYTES",
     "PagedBlocks",
     "PagedPlan",
-    "lane_dense",
     "make_plan",
     "mosaic_problem",
     "pages_per_block",
