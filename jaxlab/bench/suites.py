@@ -47,6 +47,7 @@ BUILTIN_SUITE_MODULES: tuple[str, ...] = (
     "jaxlab.bench.compile",
     "jaxlab.bench.model_suites",
     "jaxlab.bench.kernel_suites",
+    "jaxlab.bench.paged_attention_suite",
     "jaxlab.bench.infer_suites",
     "jaxlab.bench.peer_suite",
     "jaxlab.bench.serve_suite",

@@ -18,6 +18,11 @@
 #   serve    a one-step tpu-small run dir (byte tokenizer, bf16 weights), `jaxlab serve --uds`
 #            with 64 slots, `jaxlab bench serve --url unix:...` (closed loop up to 64
 #            concurrent, Poisson) from a CPU-only client process. About 5-6 min.
+#   kernels  the Pallas paged decode kernel: tpu_kernel_smoke.py first (Mosaic lowering and
+#            numerics against paged_reference, PASS/FAIL per shape, into the log), then the
+#            paged-attention suite at the tpu-small shape (paged_xla, paged_pallas and its
+#            block sweep, jax's paged_attention; batch 1/8/32, context 512 and 2,048, bf16:
+#            microseconds and GB/s of K/V read). About 4-6 min.
 #   flags    the tpu-small preset's train step alone (profiled: its trace comes back), then
 #            under XLA flag sets, one process each (libtpu reads them once): the scoped VMEM
 #            limit at 64 and 96 MiB. About 3-4 min.
@@ -146,6 +151,25 @@ phase_flags() {
     done
 }
 
+phase_kernels() {
+    # The smoke check is quick and says whether the kernel lowers at all; the suite's
+    # records say how fast it is (a kernel that fails to lower leaves failed records).
+    local t=$(($(left) - 240))
+    [ "$t" -gt 180 ] && t=180
+    if [ "$PLATFORM" != tpu ]; then
+        say "skipped tpu_kernel_smoke.py: it checks Mosaic, and this run is on $PLATFORM"
+    elif [ "$t" -lt 30 ]; then
+        say "skipped (budget): tpu_kernel_smoke.py"
+    else
+        say "tpu_kernel_smoke.py (timeout ${t}s)"
+        timeout --signal=INT --kill-after=15 "$t" "$PY" -m jaxlab.bench.tpu_kernel_smoke \
+            >>"$LOG" 2>&1
+        say "smoke exit $?"
+    fi
+    jx bench paged-attention --config "$SMALL" --set "runtime.platform=$PLATFORM" \
+        --out "$DIR" "${ARGS[@]}"
+}
+
 # serve PLATFORM: a one-step run dir, the server on a unix socket, the load from a CPU client.
 phase_serve() {
     local platform=$1
@@ -216,11 +240,12 @@ for phase in "$@"; do
     small) phase_small ;;
     decode) phase_decode ;;
     medium) phase_medium ;;
+    kernels) phase_kernels ;;
     flags) phase_flags ;;
     serve) phase_serve "$PLATFORM" ;;
     cpu-serve) phase_serve cpu ;;
     *)
-        say "unknown phase $phase (small, decode, medium, serve, flags, cpu-serve)"
+        say "unknown phase $phase (small, decode, medium, kernels, serve, flags, cpu-serve)"
         exit 2
         ;;
     esac

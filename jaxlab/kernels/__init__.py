@@ -28,7 +28,12 @@ picks one thing:
                      reference's math: the spec (the paged form of ``reference``)
 ``paged_xla``        only the visible pages (a ``lax.switch`` over page counts), gathered
                      as whole rows of a kv-head-major pool into grouped dots (the paged
-                     form of ``xla``, ``xla_cpu``, ``xla_tpu`` and ``pallas``)
+                     form of ``xla``, ``xla_cpu`` and ``xla_tpu``)
+``paged_pallas``     decode by a Pallas kernel that walks each row's pages through the
+                     table, copying only those its position needs (double-buffered DMAs
+                     from HBM, online softmax, grouped heads; interpret mode on the CPU);
+                     extend (several tokens per row) by ``paged_xla`` (the paged form of
+                     ``pallas``)
 ===================  ====================================================================
 
 ``auto`` is resolved once, when the model is built, from the JAX backend
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache, PagedKernel
 from jaxlab.kernels.paged import PagedReference
+from jaxlab.kernels.paged_pallas import PagedPallas
 from jaxlab.kernels.paged_xla import PagedXla
 from jaxlab.kernels.pallas import Pallas
 from jaxlab.kernels.reference import Reference
@@ -56,12 +62,15 @@ KERNELS: dict[str, AttentionKernel] = {
 }
 
 #: Every paged kernel, by name.
-PAGED_KERNELS: dict[str, PagedKernel] = {k.name: k for k in (PagedReference(), PagedXla())}
+PAGED_KERNELS: dict[str, PagedKernel] = {
+    k.name: k for k in (PagedReference(), PagedXla(), PagedPallas())
+}
 
-#: The paged counterpart of each contiguous kernel: the spec pairs with the spec, every
-#: fast kernel with the fast paged one.
+#: The paged counterpart of each contiguous kernel: the spec pairs with the spec, the
+#: Pallas kernel with the Pallas one, every other fast kernel with ``paged_xla``.
 PAGED_FOR: dict[str, str] = {
-    name: "paged_reference" if name == "reference" else "paged_xla" for name in KERNELS
+    name: {"reference": "paged_reference", "pallas": "paged_pallas"}.get(name, "paged_xla")
+    for name in KERNELS
 }
 
 #: What ``auto`` means on each JAX platform; any other platform gets ``xla``.

@@ -1,6 +1,7 @@
 """The ``pallas`` kernel: sequence attention by the Pallas flash kernel
-(:mod:`jaxlab.kernels.pallas_flash`); the decode cache and attention over it are the
-``xla`` kernel's (contiguous ``[B, S, K, D]``) until a paged Pallas kernel takes them over.
+(:mod:`jaxlab.kernels.pallas_flash`). A contiguous decode cache, and attention over it, are
+the ``xla`` kernel's (``[B, S, K, D]``); a paged cache is read by its paged counterpart,
+``paged_pallas`` (:mod:`jaxlab.kernels.paged_pallas`), a Pallas decode kernel.
 
 Pallas is imported on the first call, not with :mod:`jaxlab.kernels`: every program that
 builds a model imports the kernel registry, and most never run this kernel.

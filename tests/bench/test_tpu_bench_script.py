@@ -21,6 +21,7 @@ def test_usage_without_a_phase_and_an_unknown_phase(tmp_path):
     env = {**clean_env(), "PYTHON": sys.executable, "TPU_BENCH_DIR": str(tmp_path)}
     r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "small" in r.stderr and "cpu-serve" in r.stderr
+    assert "kernels" in r.stderr
     env |= {"TPU_BENCH_PLATFORM": "cpu", "OUT": str(tmp_path / "out")}
     r = subprocess.run(["bash", str(SCRIPT), "fast"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "unknown phase fast" in r.stderr
@@ -67,3 +68,41 @@ def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
     assert doc["url"].startswith("unix:") and not os.path.exists(doc["uds"])
     assert "SIGTERM: drained" in (out / "serve-cpu.err").read_text()
     assert Path(SCRIPT).stat().st_mode & 0o111, "executable"
+
+
+@pytest.mark.slow
+def test_the_kernels_phase_dry_runs_on_the_cpu(tmp_path):
+    """The paged-attention suite runs (paged_xla alone off the TPU) and comes back packed;
+    the Mosaic smoke check is skipped, and the log says why."""
+    out = tmp_path / "out"
+    env = {
+        **clean_env(),
+        "PYTHON": sys.executable,
+        "TPU_BENCH_PLATFORM": "cpu",
+        "TPU_BENCH_SMALL": "tiny",
+        "TPU_BENCH_ARGS": "--quick",
+        "TPU_BENCH_DIR": str(tmp_path / "bench"),
+        "OUT": str(out),
+    }
+    env.pop("JAX_PLATFORMS")
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "kernels"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    log = (out / "tpu-bench.log").read_text()
+    assert r.returncode == 0, log[-3000:]
+    assert "skipped tpu_kernel_smoke.py: it checks Mosaic, and this run is on cpu" in log
+    with tarfile.open(out / "tpu-bench-kernels.tgz") as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    (run,) = sorted({n.split("/")[0] for n in names})
+    meta = json.loads((tmp_path / "unpacked" / run / "run.json").read_text())
+    assert meta["suites"] == ["peak", "paged-attention"]
+    records = (tmp_path / "unpacked" / run / "records.jsonl").read_text().splitlines()
+    paged = [json.loads(x) for x in records if '"paged-attention"' in x]
+    assert paged and all(x["status"] == "ok" for x in paged)
+    assert {x["case"]["kernel"] for x in paged} == {"paged_xla"}

@@ -1,0 +1,343 @@
+"""Paged decode attention written in Pallas: one query token per row over that row's pages.
+
+This module owns the Pallas kernel and its wrapper, :func:`paged_decode`;
+:class:`jaxlab.kernels.paged_pallas.PagedPallas` is the paged kernel that calls it. The
+static sizes come from :mod:`jaxlab.kernels.paged_plan`. ``docs/kernels.md`` ("The paged
+decode kernel") explains the design at length; in short:
+
+* **Grid.** One axis, over groups of ``rows_per_step`` batch rows. A grid step walks its
+  rows one after another and each row's compute blocks in order (``pages_per_block``
+  pages, ``tokens`` slots each) as one flat sequence of (row, block) items.
+* **Scalars first.** Each row's visible length (``position + 1``) and the page table
+  (flattened) are scalar-prefetch operands: they sit in SMEM before the kernel starts,
+  and the kernel reads the page ids of a block from them to address its copies.
+* **Only the pages a row needs.** The pools stay in HBM (``memory_space=ANY``). Each
+  item's pages are copied by hand (``make_async_copy``), one DMA per page covering every
+  kv head (``pool[:, page]``, a ``[K, page_size, D]`` strided copy), into one of two
+  VMEM slots: while item ``i`` is computed, item ``i + 1``'s pages are in flight, across
+  row boundaries too. A row walks ``ceil(length / tokens)`` blocks, and in its last
+  block only the pages holding visible positions are copied: no byte past a row's length
+  is read, and no table entry past it is even looked at (``NO_PAGE`` entries are never
+  copied either).
+* **Online softmax** across a row's blocks, per kv head, as in the flash kernel
+  (:mod:`jaxlab.kernels.pallas_flash`): running max ``m``, sum ``l`` and unnormalised
+  output ``acc`` in VMEM, f32; the output is ``acc / l`` after the row's last block.
+* **Grouped heads.** The ``G`` query heads of kv head ``j`` are the rows of one
+  ``[G, D] x [D, tokens]`` dot against that head's block: K and V are read once per kv
+  head, never repeated. ``G`` is padded to a whole sublane tile (padding rows are zeros
+  and are sliced off).
+* **Masks only where needed.** A block lying wholly inside the row's length with every
+  page present runs without a mask; the row's last block masks the positions past its
+  length; a block with a missing page (``NO_PAGE`` inside the length) also masks that
+  page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
+  what the unread slots hold (an earlier item's pages, or zeros) never counts; a row
+  that sees nothing comes out as zeros. The mask is on the ``[G, tokens]`` logits only,
+  never on the ``[tokens, D]`` values, which would cost a select per value per head.
+* **Precision** as in :mod:`jaxlab.kernels.base`: K/V cast to the query dtype, f32
+  logits, softmax and accumulators, probabilities cast to the value dtype for the second
+  dot, output in the query dtype.
+* **CPU.** With no TPU the same kernel runs in Pallas interpret mode, which is how CI
+  tests it; Mosaic's tiling rules are checked by :func:`~jaxlab.kernels.paged_plan.mosaic_problem`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxlab.kernels.masks import MASK_VALUE
+from jaxlab.kernels.paged_plan import LANES, PagedBlocks, PagedPlan, make_plan
+
+Array = jax.Array
+
+#: ``a @ b^T`` for 2-D tiles: contract the last dimension of both.
+NT = (((1,), (1,)), ((), ()))
+F32 = jnp.float32
+
+
+def widen(x: Array, width: int) -> Array:
+    """A lane-replicated ``[n, 128]`` column as ``[n, width]``."""
+    if width == LANES:
+        return x
+    if width < LANES:
+        return x[:, :width]
+    if width % LANES == 0:
+        return jnp.tile(x, (1, width // LANES))
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+class _Item:
+    """One (row, block) of a grid step: its scalars, read from SMEM, and its page copies."""
+
+    def __init__(self, refs, plan: PagedPlan, num_pages: int, row: Array, block: Array) -> None:
+        lengths_ref, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
+        ppb, ps = plan.pages_per_block, plan.page_size
+        self.length = lengths_ref[row]  # clipped to [0, max_tokens] by the wrapper
+        self.tokens = plan.block_tokens
+        self.first = block * plan.block_tokens  # position of the block's first slot
+        base = row * plan.table_width + block * ppb
+        self.pages = [table_ref[base + i] for i in range(ppb)]
+        self.in_length = [self.first + i * ps < self.length for i in range(ppb)]
+        self.missing = [p >= num_pages for p in self.pages]
+        self._bufs = (k_hbm, v_hbm, k_buf, v_buf, sems)
+        self._ps = ps
+        self._per_head = plan.dma_per_head
+
+    @property
+    def full(self) -> Array:
+        """Every slot of the block lies inside the row's length."""
+        return self.first + self.tokens <= self.length
+
+    @property
+    def holes(self) -> Array:
+        """Some page inside the row's length is ``NO_PAGE``: its slots are masked."""
+        out = jnp.bool_(False)
+        for inside, missing in zip(self.in_length, self.missing, strict=True):
+            out = out | (inside & missing)
+        return out
+
+    def _copies(self, slot: Array, i: int) -> tuple[Array, list]:
+        k_hbm, v_hbm, k_buf, v_buf, sems = self._bufs
+        fetch = self.in_length[i] & ~self.missing[i]
+        page = jnp.minimum(self.pages[i], k_hbm.shape[1] - 1)  # a real page even if unread
+        dst = pl.ds(i * self._ps, self._ps)
+        pairs = ((k_hbm, k_buf), (v_hbm, v_buf))
+        if self._per_head:
+            heads = range(k_hbm.shape[0])
+            copies = [
+                pltpu.make_async_copy(src.at[j, page], buf.at[slot, j, dst], sems.at[n, slot])
+                for n, (src, buf) in enumerate(pairs)
+                for j in heads
+            ]
+        else:  # one strided copy: the page of every kv head
+            copies = [
+                pltpu.make_async_copy(src.at[:, page], buf.at[slot, :, dst], sems.at[n, slot])
+                for n, (src, buf) in enumerate(pairs)
+            ]
+        return fetch, copies
+
+    def start(self, slot: Array) -> None:
+        for i in range(len(self.pages)):
+            fetch, copies = self._copies(slot, i)
+
+            @pl.when(fetch)
+            def _start(copies=copies):
+                for c in copies:
+                    c.start()
+
+    def wait(self, slot: Array) -> None:
+        for i in range(len(self.pages)):
+            fetch, copies = self._copies(slot, i)
+
+            @pl.when(fetch)
+            def _wait(copies=copies):
+                for c in copies:
+                    c.wait()
+
+
+def _visible(item: _Item, plan: PagedPlan, shape: tuple[int, int], holes: bool) -> Array:
+    """``bool[shape]``: the block's slot (along the lanes) holds a visible position:
+    inside the row's length and, with ``holes``, on a page that is present."""
+    slot = lax.broadcasted_iota(jnp.int32, shape, 1)
+    visible = item.first + slot < item.length
+    if holes:  # compares with constants: no vector integer division for Mosaic to lower
+        ps = plan.page_size
+        for i, missing in enumerate(item.missing):
+            visible = visible & ~((slot >= i * ps) & (slot < (i + 1) * ps) & missing)
+    return visible
+
+
+def _kernel(
+    lengths_ref,
+    table_ref,
+    q_ref,
+    k_hbm,
+    v_hbm,
+    o_ref,
+    k_buf,
+    v_buf,
+    sems,
+    m_scr,
+    l_scr,
+    acc_scr,
+    *,
+    plan: PagedPlan,
+    num_pages: int,
+    scale: float,
+):
+    n_kv, d = q_ref.shape[1], q_ref.shape[3]
+    tokens = plan.block_tokens
+    rows = plan.rows_per_step
+    step = pl.program_id(0)
+    refs = (lengths_ref, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
+
+    def item(r: Array, block: Array) -> _Item:
+        return _Item(refs, plan, num_pages, step * rows + r, block)
+
+    def n_blocks(r: Array) -> Array:
+        return jnp.maximum(1, lax.div(lengths_ref[step * rows + r] + tokens - 1, tokens))
+
+    def compute(r: Array, it: _Item, slot: Array, masked: bool, holes: bool) -> None:
+        if masked:
+            keep = _visible(it, plan, (plan.groups_padded, tokens), holes)
+        for j in range(n_kv):
+            q = q_ref[r, j]  # [Gp, D]
+            k = k_buf[slot, j].astype(q.dtype)  # [tokens, D]
+            v = v_buf[slot, j].astype(q.dtype)
+            s = lax.dot_general(q, k, NT, preferred_element_type=F32)  # [Gp, tokens]
+            if scale != 1.0:
+                s = s * scale
+            if masked:
+                s = jnp.where(keep, s, MASK_VALUE)  # also drops what unread slots hold
+            m_prev = m_scr[j]  # [Gp, 128], every lane holds the row's value
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.exp(s - widen(m_next, tokens))
+            if masked:
+                # Exactly 0 already unless the block sees nothing (then m = MASK_VALUE).
+                p = jnp.where(keep, p, 0.0)
+            alpha = jnp.exp(m_prev - m_next)
+            l_scr[j] = alpha * l_scr[j] + jnp.sum(p, axis=1, keepdims=True)
+            m_scr[j] = m_next
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
+            acc_scr[j] = acc_scr[j] * widen(alpha, d) + pv
+
+    def row_body(r: Array, slot: Array) -> Array:
+        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, F32)
+        l_scr[...] = jnp.zeros(l_scr.shape, F32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
+        nb = n_blocks(r)
+
+        def block_body(block: Array, slot: Array) -> Array:
+            # The next item's pages go into the other slot before this item's are awaited.
+            last = block + 1 == nb
+            next_r = jnp.where(last, r + 1, r)
+            next_block = jnp.where(last, 0, block + 1)
+
+            @pl.when(next_r < rows)
+            def _prefetch():
+                item(next_r, next_block).start(1 - slot)
+
+            it = item(r, block)
+            it.wait(slot)
+            full, holes = it.full, it.holes
+            pl.when(full & ~holes)(lambda: compute(r, it, slot, masked=False, holes=False))
+            pl.when(~full & ~holes)(lambda: compute(r, it, slot, masked=True, holes=False))
+            pl.when(holes)(lambda: compute(r, it, slot, masked=True, holes=True))
+            return 1 - slot
+
+        slot = lax.fori_loop(0, nb, block_body, slot)
+        for j in range(n_kv):
+            row_sum = l_scr[j]
+            row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)  # saw nothing: acc is 0
+            o_ref[r, j] = (acc_scr[j] / widen(row_sum, d)).astype(o_ref.dtype)
+        return slot
+
+    # Value slots a block does not copy into are multiplied by probabilities of exactly
+    # 0: they must hold finite numbers, so the buffers start as zeros, not as whatever
+    # VMEM held (afterwards they hold pool data, finite like everything the pool holds).
+    v_buf[...] = jnp.zeros(v_buf.shape, v_buf.dtype)
+    item(jnp.int32(0), jnp.int32(0)).start(jnp.int32(0))
+    lax.fori_loop(0, rows, row_body, jnp.int32(0))
+
+
+def paged_decode(
+    q: Array,
+    k_pool: Array,
+    v_pool: Array,
+    table: Array,
+    lengths: Array,
+    *,
+    blocks: PagedBlocks | None = None,
+    interpret: bool | None = None,
+) -> Array:
+    """Decode attention: ``q [B, H, D]`` (one token per row) over each row's first
+    ``lengths[b]`` positions, read through ``table i32[B, max_pages]`` from the pools
+    ``k_pool, v_pool [K, num_pages, page_size, D]`` -> ``[B, H, D]`` in q's dtype.
+
+    Positions whose table entry is ``NO_PAGE`` (``>= num_pages``) are invisible. A row
+    that sees nothing (``lengths[b] <= 0``, or only missing pages) comes out as zeros.
+    ``interpret`` defaults to Pallas interpret mode on the CPU backend.
+    """
+    b, h, d = q.shape
+    n_kv, num_pages, page_size, d_k = k_pool.shape
+    if v_pool.shape != k_pool.shape or d_k != d:
+        raise ValueError(
+            f"paged_decode: pools must be [K, num_pages, page_size, D] with D = {d} for q "
+            f"{q.shape}; got k {k_pool.shape}, v {v_pool.shape}"
+        )
+    if table.ndim != 2 or table.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(
+            f"paged_decode: table must be [B, max_pages] and lengths [B], B = {b}; got "
+            f"table {table.shape}, lengths {lengths.shape}"
+        )
+    plan = make_plan(
+        blocks or PagedBlocks(),
+        batch=b,
+        max_pages=table.shape[1],
+        page_size=page_size,
+        n_heads=h,
+        n_kv_heads=n_kv,
+        head_dim=d,
+        q_dtype=q.dtype,
+        pool_dtype=k_pool.dtype,
+    )
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    scale = 1.0 / math.sqrt(d)
+    if math.frexp(scale)[0] == 0.5:
+        # A power of two (D = 16, 64, 256): folded into q exactly, one multiply per logit saved.
+        q, scale = q * jnp.asarray(scale, q.dtype), 1.0
+    g, gp, bp = plan.groups, plan.groups_padded, plan.padded_batch
+    qg = jnp.pad(q.reshape(b, n_kv, g, d), ((0, bp - b), (0, 0), (0, gp - g), (0, 0)))
+    table = jnp.pad(
+        table.astype(jnp.int32),
+        ((0, bp - b), (0, plan.table_width - table.shape[1])),
+        constant_values=num_pages,
+    )
+    lengths = jnp.pad(jnp.clip(lengths.astype(jnp.int32), 0, plan.max_tokens), (0, bp - b))
+    rows = plan.rows_per_step
+    q_spec = pl.BlockSpec((rows, n_kv, gp, d), lambda i, *_: (i, 0, 0, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    buf = pltpu.VMEM((2, n_kv, plan.block_tokens, d), k_pool.dtype)
+    out = pl.pallas_call(
+        functools.partial(_kernel, plan=plan, num_pages=num_pages, scale=scale),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(plan.steps,),
+            in_specs=[q_spec, any_spec, any_spec],
+            out_specs=q_spec,
+            scratch_shapes=[
+                buf,
+                buf,
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((n_kv, gp, LANES), F32),
+                pltpu.VMEM((n_kv, gp, LANES), F32),
+                pltpu.VMEM((n_kv, gp, d), F32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=_cost(plan, b, n_kv, d, k_pool.dtype.itemsize),
+        interpret=interpret,
+        name="jaxlab_paged_decode",
+    )(lengths, table.reshape(-1), qg, k_pool, v_pool)
+    return out[:b, :, :g].reshape(b, h, d)
+
+
+def _cost(plan: PagedPlan, b: int, n_kv: int, d: int, itemsize: int) -> pl.CostEstimate:
+    """What XLA's scheduler is told: at most every table page of every row, K and V."""
+    slots = b * n_kv * plan.max_tokens
+    return pl.CostEstimate(
+        flops=4 * slots * plan.groups * d,
+        transcendentals=slots * plan.groups,
+        bytes_accessed=2 * slots * d * itemsize,
+    )
+
+
+__all__ = ["PagedBlocks", "paged_decode"]
