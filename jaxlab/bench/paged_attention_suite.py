@@ -95,7 +95,9 @@ def candidates(
     if backend != "tpu":
         return out
     for label, blocks in pallas_variants(sweep and not quick):
-        out.append(({"kernel": "paged_pallas", "blocks": label}, paged(PagedPallas(blocks))))
+        out.append(
+            ({"kernel": "paged_pallas", "blocks": label}, paged(PagedPallas(blocks, tpu=True)))
+        )
     for n in JAX_PAGES_PER_BLOCK_QUICK if quick else JAX_PAGES_PER_BLOCK:
         if table_width % n == 0:
             out.append(({"kernel": "jax_paged", "blocks": f"pages_per_block={n}"}, jax_paged(n)))

@@ -104,10 +104,10 @@ def check(shape: Shape) -> tuple[bool, str]:
     from jaxlab.kernels.paged_plan import PagedBlocks
 
     backend = jax.default_backend()
-    if not runs_pallas(1, shape.page_size, shape.dtype, backend):
+    if not runs_pallas(1, shape.page_size, shape.dtype, backend, tpu=True):
         return False, f"FAIL {shape.name}: the kernel would not run here (paged_xla fallback)"
     q, layer, positions = inputs(shape)
-    kern = PagedPallas(PagedBlocks(**shape.blocks))
+    kern = PagedPallas(PagedBlocks(**shape.blocks), tpu=True)
     try:
         t0 = time.perf_counter()
         compiled = jax.jit(kern.attend_cache).lower(q, layer, positions).compile()

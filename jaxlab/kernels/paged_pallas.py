@@ -11,6 +11,13 @@ What runs where:
   (:func:`~jaxlab.kernels.paged_plan.mosaic_problem`) or on any other accelerator: the
   ``paged_xla`` kernel, the same math.
 
+**Not yet on a chip by default.** The kernel has been tested in interpret mode only; Mosaic
+has not compiled it on a TPU. Until ``jaxlab/bench/tpu_bench.sh kernels`` has shown it
+lowering and equal to the reference there, the registered kernel runs ``paged_xla`` for a
+TPU decode (:data:`CHIP_VALIDATED`), so a run trained with ``attention_impl = "pallas"``
+(the TPU presets) decodes on the measured path. The bench suite and the smoke script build
+``PagedPallas(tpu=True)`` to measure and validate it.
+
 The pool layout, writes and inspection are every paged kernel's
 (:class:`~jaxlab.kernels.paged.PagedLayout`). Pallas is imported on the first call, not
 with :mod:`jaxlab.kernels`, as for :mod:`jaxlab.kernels.pallas`.
@@ -28,25 +35,34 @@ from jaxlab.kernels.paged_xla import PagedXla
 Array = jax.Array
 
 
-def runs_pallas(t: int, page_size: int, pool_dtype, backend: str) -> bool:
+#: Whether the kernel has compiled and matched the reference on a TPU (module docstring):
+#: the default of :class:`PagedPallas`'s ``tpu``.
+CHIP_VALIDATED = False
+
+
+def runs_pallas(
+    t: int, page_size: int, pool_dtype, backend: str, *, tpu: bool = CHIP_VALIDATED
+) -> bool:
     """Whether a call of ``t`` query tokens per row runs the Pallas kernel on ``backend``
-    (module docstring), rather than ``paged_xla``."""
+    (module docstring), rather than ``paged_xla``; ``tpu``: whether it may on a TPU."""
     if t != 1:
         return False
     if backend == "cpu":
         return True  # interpret mode: no tiling rules
-    return backend == "tpu" and mosaic_problem(page_size, pool_dtype) is None
+    return backend == "tpu" and tpu and mosaic_problem(page_size, pool_dtype) is None
 
 
 class PagedPallas(PagedLayout):
     name = "paged_pallas"
 
-    def __init__(self, blocks: PagedBlocks | None = None) -> None:
+    def __init__(self, blocks: PagedBlocks | None = None, *, tpu: bool = CHIP_VALIDATED) -> None:
         self.blocks = blocks or PagedBlocks()
+        self.tpu = tpu
         self._xla = PagedXla()
 
     def attend_cache(self, q: Array, cache: PagedLayer, positions: Array) -> Array:
-        if not runs_pallas(q.shape[1], cache.page_size, cache.k.dtype, jax.default_backend()):
+        backend = jax.default_backend()
+        if not runs_pallas(q.shape[1], cache.page_size, cache.k.dtype, backend, tpu=self.tpu):
             return self._xla.attend_cache(q, cache, positions)
         from jaxlab.kernels.pallas_paged import paged_decode
 
@@ -56,4 +72,4 @@ class PagedPallas(PagedLayout):
         return out[:, None]
 
 
-__all__ = ["PagedBlocks", "PagedPallas", "runs_pallas"]
+__all__ = ["CHIP_VALIDATED", "PagedBlocks", "PagedPallas", "runs_pallas"]
