@@ -71,7 +71,7 @@ class Served:
         self.proc = subprocess.Popen(
             cmd, stdout=self._out, stderr=self._err, env=clean_env(), cwd=ROOT
         )
-        t_end = time.monotonic() + 180
+        t_end = time.monotonic() + 600  # start-up on a loaded 2-core VM
         while not port_file.exists():
             assert self.proc.poll() is None, self.stderr
             assert time.monotonic() < t_end
