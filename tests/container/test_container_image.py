@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -48,10 +51,15 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def image() -> ImageSpec:
+def image() -> Iterator[ImageSpec]:
     assert PODMAN
     local = os.geteuid() == 0 and shutil.which("debootstrap") is not None
-    return build_image(PODMAN, local_base_image(PODMAN) if local else None)
+    tag = f"localhost/jaxlab-test:{uuid.uuid4().hex[:12]}"
+    try:
+        yield build_image(PODMAN, local_base_image(PODMAN) if local else None, tag)
+    finally:
+        # Untag only: removing the image would also remove its cached layers.
+        subprocess.run([PODMAN, "untag", tag, tag], capture_output=True)
 
 
 def test_image_serves_a_trained_run_as_declared(image, tmp_path_factory, tmp_path):
