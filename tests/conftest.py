@@ -79,3 +79,36 @@ def run_cli(
 @pytest.fixture
 def cli():
     return run_cli
+
+
+#: Training steps of the tiny run the serving tests share; its one checkpoint is at this step.
+RUN_STEPS = 30
+
+
+def train_tiny(path: Path) -> None:
+    """Train the ``tiny`` preset (byte tokenizer) for RUN_STEPS steps into the run dir ``path``."""
+    from jaxlab.config import load_config
+    from jaxlab.train.trainer import Trainer
+
+    cfg = load_config(
+        "tiny",
+        [
+            f"train.steps={RUN_STEPS}",
+            f"checkpoint.every_steps={RUN_STEPS}",
+            "tokenizer.kind=byte",
+            "model.vocab_size=258",
+            f"runtime.artifacts_dir={path.parent / 'artifacts'}",
+        ],
+        environ={},
+    )
+    trainer = Trainer(cfg, path)
+    trainer.run()
+    trainer.close()
+
+
+def tiny_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's trained tiny run: trained by the first test that asks, shared after."""
+    path = tmp_path_factory.getbasetemp() / "serve-run"
+    if not (path / "checkpoints" / str(RUN_STEPS)).is_dir():
+        train_tiny(path)
+    return path

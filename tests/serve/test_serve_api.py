@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import RUN_STEPS, tiny_run_dir
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxlab.config import JaxlabConfig
@@ -34,7 +35,6 @@ from jaxlab.serve import (
     serve_config,
 )
 
-RUN_STEPS = 30
 OVERRIDES = [
     "inference.prefill_buckets=[32,128]",
     "inference.stream_chunk_tokens=8",
@@ -47,32 +47,9 @@ OVERRIDES = [
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
-def train_tiny(path: Path) -> None:
-    from jaxlab.config import load_config
-    from jaxlab.train.trainer import Trainer
-
-    cfg = load_config(
-        "tiny",
-        [
-            f"train.steps={RUN_STEPS}",
-            f"checkpoint.every_steps={RUN_STEPS}",
-            "tokenizer.kind=byte",
-            "model.vocab_size=258",
-            f"runtime.artifacts_dir={path.parent / 'artifacts'}",
-        ],
-        environ={},
-    )
-    trainer = Trainer(cfg, path)
-    trainer.run()
-    trainer.close()
-
-
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.getbasetemp() / "serve-run"
-    if not (path / "checkpoints" / str(RUN_STEPS)).is_dir():
-        train_tiny(path)
-    return path
+    return tiny_run_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, clean_env, run_cli
-from test_serve_api import RUN_STEPS, train_tiny, wait_until
+from conftest import ROOT, RUN_STEPS, clean_env, run_cli, tiny_run_dir
+from test_serve_api import wait_until
 
 
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The same session directory as test_serve_api's fixture: trained once per session.
-    path = tmp_path_factory.getbasetemp() / "serve-run"
-    if not (path / "checkpoints" / str(RUN_STEPS)).is_dir():
-        train_tiny(path)
-    return path
+    return tiny_run_dir(tmp_path_factory)  # trained once per session, shared
 
 
 def test_serve_help_never_imports_jax():

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, clean_env, run_cli
-from test_serve_api import RUN_STEPS, train_tiny
+from conftest import ROOT, clean_env, run_cli, tiny_run_dir
 
 from jaxlab.bench.record import load_records
 from jaxlab.serve.loadgen import closed_loop, completion_bodies, completions_url, make_prompts
@@ -144,11 +143,7 @@ def test_bench_serve_loads_a_server_on_a_unix_socket(uds_server, tmp_path):
 
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The same session directory as test_serve_api's fixture: trained once per session.
-    path = tmp_path_factory.getbasetemp() / "serve-run"
-    if not (path / "checkpoints" / str(RUN_STEPS)).is_dir():
-        train_tiny(path)
-    return path
+    return tiny_run_dir(tmp_path_factory)  # trained once per session, shared
 
 
 @pytest.mark.slow
