@@ -7,7 +7,7 @@ scale[j]``. Per output channel, because a column's scale then factors out of the
 
     (x @ (q * scale))[j] = (x @ q)[j] * scale[j]
 
-so the matmul reads the int8 values, accumulates ``x @ q`` like any dot, and applies the
+so the matmul takes the int8 values, accumulates ``x @ q`` like any dot, and applies the
 scale to its ``[N, n]`` output: no dequantized copy of the weight is formed by this code. A
 column with one large weight only coarsens its own column, where a per-tensor scale would
 coarsen every column by the largest weight of the matrix. Per input row would not factor
@@ -16,11 +16,13 @@ out (it varies along the contraction).
 Two forms of the matmul (:class:`QuantizedKernel.activations`, from
 ``inference.activations``):
 
-* ``"float"`` (weight-only, the default): ``x`` stays in the compute dtype, the int8 values
-  are converted to it at the dot (exact: int8 fits bf16 and f32), accumulation in float32.
-  Only the weights lose precision. On a TPU the convert is fused into the dot, so the
-  weights are read from memory as int8; XLA:CPU (jaxlib 0.10) has no mixed-type dot and
-  converts the operand into a float buffer first (docs/quantization.md).
+* ``"float"`` (weight-only, the default): ``x`` stays in the compute dtype and meets the
+  int8 values in one mixed-type dot (int8 converts exactly to bf16 and f32), accumulating
+  in float32. Only the weights lose precision. How the int8 operand reaches the multiplier
+  is the backend's business: XLA:CPU (jaxlib 0.10) has no mixed-type or int8 matrix-vector
+  kernel, so it converts the weights to float32 and, inside the decode loop, hoists that
+  convert out of the loop: a call's steps read a float copy made once per call
+  (docs/quantization.md says what that means for speed on the CPU).
 * ``"int8"`` (dynamic activations): each row of ``x`` is quantized too (one scale per row,
   made at run time), and the dot is int8 x int8 -> int32, the accelerators' int8 path:
   ``(xq @ q) * x_scale[:, None] * scale``. Exact integer accumulation, but every activation
@@ -43,6 +45,8 @@ from jaxlab.kernels import int8
 
 Array = jax.Array
 Activations = Literal["float", "int8"]
+#: ``[N, k] x [k, n]``: contract the activations' last axis with the kernel's first.
+CONTRACT = (((1,), (0,)), ((), ()))
 
 
 @struct.dataclass
@@ -91,15 +95,13 @@ def quantized_matmul(
     with the scales applied to the float32 accumulator (module docstring)."""
     if kernel.activations == "int8":
         xq, x_scale = int8.quantize(x, axis=-1)
-        acc = jax.lax.dot_general(
-            xq, kernel.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
-        )
+        acc = jax.lax.dot_general(xq, kernel.values, CONTRACT, preferred_element_type=jnp.int32)
         y = acc.astype(jnp.float32) * x_scale[:, None] * kernel.scale
     else:
-        acc = jnp.matmul(
-            x.astype(compute_dtype),
-            kernel.values.astype(compute_dtype),
-            preferred_element_type=jnp.float32,
+        # The int8 values go into the dot as they are (a mixed-type dot): how they reach the
+        # multiplier is the backend's choice (module docstring).
+        acc = jax.lax.dot_general(
+            x.astype(compute_dtype), kernel.values, CONTRACT, preferred_element_type=jnp.float32
         )
         y = acc * kernel.scale
     return y.astype(compute_dtype if out_dtype is None else out_dtype)
