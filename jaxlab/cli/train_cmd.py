@@ -368,8 +368,10 @@ def register(app: typer.Typer) -> None:
         activations: ActivationsOpt = "float",
         json_: JsonOpt = False,
     ) -> None:
-        """Token-weighted loss, perplexity and accuracy over the eval split (padding excluded);
-        with --weights int8, the same for the int8 weights and their agreement with float."""
+        """Token-weighted loss, perplexity and accuracy over the eval split (padding excluded).
+
+        With --weights int8, the same for the int8 weights inference would read, and their
+        greedy agreement with the float weights (docs/quantization.md)."""
         from jaxlab.train.run_dir import PER_PROCESS_FIELDS, RunDir
 
         if activations == "int8" and weights != "int8":
