@@ -32,6 +32,21 @@ def _max_len(cfg: JaxlabConfig) -> int:
     return cfg.inference.max_len or cfg.model.max_seq_len
 
 
+def int8_case(engine: Any) -> dict[str, str]:
+    """What an int8 engine's records add to their case (``inference.weights``,
+    ``activations``, ``kv_cache_dtype``); nothing for a float engine, so float records keep
+    the cases earlier runs have."""
+    inf = engine.cfg.inference
+    out = {}
+    if inf.weights == "int8":
+        out["weights"] = "int8"
+        if inf.activations == "int8":
+            out["activations"] = "int8"
+    if inf.kv_cache_dtype == "int8":
+        out["kv_cache_dtype"] = "int8"
+    return out
+
+
 def generation_record(
     ctx: BenchContext,
     engine: Any,
@@ -53,6 +68,7 @@ def generation_record(
         "new_tokens": new_tokens,
         "kv_cache": kv_cache,
         **(extra or {}),
+        **int8_case(engine),
     }
     ctx.status(f"generate {case}")
     try:

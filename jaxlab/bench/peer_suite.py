@@ -10,6 +10,11 @@ raw per-repetition timings become ordinary records. The two sides' repetitions a
 machine conditions, and each pair's own ratio is recorded beside it (``pair_ratios``).
 
     jaxlab bench peer --config bench-small --set bench.peer_python=/path/to/venv/bin/python
+
+Beside the float rows, the batch-1 cached case runs once more with int8 weights
+(``inference.weights = "int8"``, quantized from the same float weights) against a fresh
+run of the peer's float32 case: the row labelled "int8 vs HF float32", and the read
+ceiling recomputed for the int8 step's bytes.
 """
 
 from __future__ import annotations
@@ -30,12 +35,28 @@ from jaxlab.config import JaxlabConfig
 
 
 def gpt2_like(cfg: JaxlabConfig) -> JaxlabConfig:
+    """The GPT-2-like variant of ``cfg``, its weights float (the int8 row sets its own)."""
     out = cfg.model_copy(deep=True)
     out.model.mlp = "gelu"
     out.model.positions = "learned"
     out.model.tie_embeddings = True
     out.model.dropout_rate = 0.0
+    out.inference.weights = "float"
+    out.inference.activations = "float"
     return out
+
+
+def with_int8_weights(cfg: JaxlabConfig, activations: str) -> JaxlabConfig:
+    """``cfg`` with ``inference.weights = "int8"`` (and the given activations)."""
+    out = cfg.model_copy(deep=True)
+    out.inference.weights = "int8"
+    out.inference.activations = "int8" if activations == "int8" else "float"
+    return out
+
+
+#: What the int8 row is called in records and reports: jaxlab's int8 weights against the
+#: peer's float32 ones, the same model and work on both sides.
+INT8_LABEL = "int8 vs HF float32"
 
 
 #: Untimed pause on each side of a peer repetition, so that neither side's worker threads
@@ -359,6 +380,7 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
     yield from _read_ceiling(
         ctx, peer, engine.step_weight_bytes, ours_by.get((1, True)), theirs_by.get((1, True))
     )
+    yield from _int8_row(ctx, peer, cfg, shape, prompt, new)
     cached, naive = ours_by.get((8, True)), ours_by.get((8, False))
     if cached and naive and cached.status == "ok" and naive.status == "ok":
         yield ctx.record(
@@ -370,17 +392,86 @@ def _side_by_side(ctx: BenchContext, peer: PeerSession) -> Iterator[Record]:
         )
 
 
+def _int8_row(
+    ctx: BenchContext,
+    peer: PeerSession,
+    cfg: JaxlabConfig,
+    shape: dict[str, Any],
+    prompt: int,
+    new: int,
+) -> Iterator[Record]:
+    """The batch-1 cached generation of the same model with int8 weights
+    (``inference.weights = "int8"``), interleaved with a fresh run of the peer's float32
+    batch-1 case: its ratio is labelled :data:`INT8_LABEL`. Then the read ceiling again,
+    for the int8 step's bytes."""
+    from jaxlab.bench.infer_suites import generation_record
+    from jaxlab.infer.engine import Engine
+
+    engine = Engine.from_config(with_int8_weights(cfg, ctx.config.inference.activations), seed=0)
+    case = {
+        "batch": 1,
+        "prompt_len": prompt,
+        "new_tokens": new,
+        "kv_cache": True,
+        "side": "hf-gpt2 generate()",
+        "vs": "jaxlab int8",
+    }
+    spec = {
+        "task": "generate",
+        **shape,
+        "batch_size": 1,
+        "prompt_len": prompt,
+        "new_tokens": new,
+        "use_cache": True,
+        "warmup": 1,
+    }
+
+    def run_ours(before: Callable[[], None] | None, warm: int) -> Record:
+        return generation_record(
+            ctx,
+            engine,
+            1,
+            prompt,
+            new,
+            kv_cache=True,
+            extra={"variant": "gpt2-like"},
+            before=before,
+            warm_each=warm,
+        )
+
+    mine, theirs = _peer_record(
+        ctx, peer, "generate-b1-cache-int8", spec, "generate_s", case, new, run_ours, WARM_EACH
+    )
+    assert mine is not None
+    yield mine
+    yield theirs
+    ratio = _speedup(
+        ctx,
+        "generate_speedup_vs_peer",
+        {"batch": 1, "kv_cache": True, "variant": "gpt2-like", "weights": "int8"},
+        mine,
+        theirs,
+    )
+    if ratio is not None:
+        yield ratio.model_copy(update={"derived": {**ratio.derived, "label": INT8_LABEL}})
+    yield from _read_ceiling(ctx, peer, engine.step_weight_bytes, mine, theirs, weights="int8")
+
+
 def _read_ceiling(
     ctx: BenchContext,
     peer: PeerSession,
     weight_bytes: int,
     ours: Record | None,
     theirs: Record | None,
+    *,
+    weights: str | None = None,
 ) -> Iterator[Record]:
     """The peer process streams a buffer of the decode step's weight bytes (samples are
     seconds per read, ``READS_PER_SAMPLE`` reads a repetition); with the batch-1 cached
-    records beside it, the ceiling that read rate puts on batch-1 generation."""
-    case = {"bytes": weight_bytes, "read": "torch.sum, peer process"}
+    records beside it, the ceiling that read rate puts on batch-1 generation. ``weights``
+    (``"int8"``): the bytes are an int8 step's, and the records say so."""
+    marked = {"weights": weights} if weights else {}
+    case = {"bytes": weight_bytes, "read": "torch.sum, peer process", **marked}
     spec = {"task": "read", "bytes": weight_bytes, "reads": READS_PER_SAMPLE, "warmup": 1}
     ctx.status("peer read")
     try:
@@ -415,6 +506,6 @@ def _read_ceiling(
         "x",
         [derived["ceiling_over_peer"]],
         better="higher",
-        case={"batch": 1, "kv_cache": True, "variant": "gpt2-like"},
+        case={"batch": 1, "kv_cache": True, "variant": "gpt2-like", **marked},
         derived=derived,
     )

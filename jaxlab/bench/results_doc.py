@@ -107,14 +107,26 @@ HEADLINES: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     (
         "peer",
         "generate_speedup_vs_peer",
-        {"batch": 1},
+        {"batch": 1, "weights": None},
         "cached generate, batch 1, jaxlab / HF (target >= 5x)",
     ),
     (
         "peer",
         "generate_ceiling_vs_peer",
-        {"batch": 1},
+        {"batch": 1, "weights": None},
         "batch 1 ceiling: one read of the step's weights per token (torch.sum's rate), / HF",
+    ),
+    (
+        "peer",
+        "generate_speedup_vs_peer",
+        {"batch": 1, "weights": "int8"},
+        "int8 vs HF float32: cached generate, batch 1, jaxlab int8 weights / HF (target >= 5x)",
+    ),
+    (
+        "peer",
+        "generate_ceiling_vs_peer",
+        {"batch": 1, "weights": "int8"},
+        "batch 1 ceiling at int8 bytes: one read of the int8 step's weights per token, / HF",
     ),
     (
         "peer",

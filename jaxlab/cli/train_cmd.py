@@ -41,6 +41,35 @@ StepOpt = Annotated[
 ]
 
 
+def int8_choice(value: str) -> str:
+    """``--weights`` / ``--activations``: ``float`` or ``int8``."""
+    if value not in ("float", "int8"):
+        raise typer.BadParameter(f"got {value!r}, expected 'float' or 'int8'")
+    return value
+
+
+WeightsOpt = Annotated[
+    str,
+    typer.Option(
+        "--weights",
+        callback=int8_choice,
+        help=(
+            "'int8': also score the eval split with the int8 weights inference would read"
+            " (inference.weights), and report their perplexity and greedy agreement with"
+            " the float weights."
+        ),
+    ),
+]
+ActivationsOpt = Annotated[
+    str,
+    typer.Option(
+        "--activations",
+        callback=int8_choice,
+        help="With --weights int8: 'int8' quantizes each matmul's input too (inference.activations).",
+    ),
+]
+
+
 def step_range(value: str | None) -> str | None:
     """``--profile START:STOP``: two step counts, ``0 <= START < STOP`` (checked by click,
     before anything loads; the run's own bounds are checked once they are known)."""
@@ -335,11 +364,20 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option("--batches", min=1, help="Eval batches (default train.eval_batches)."),
         ] = None,
+        weights: WeightsOpt = "float",
+        activations: ActivationsOpt = "float",
         json_: JsonOpt = False,
     ) -> None:
-        """Token-weighted loss, perplexity and accuracy over the eval split (padding excluded)."""
+        """Token-weighted loss, perplexity and accuracy over the eval split (padding excluded).
+
+        With --weights int8, the same for the int8 weights inference would read, and their
+        greedy agreement with the float weights (docs/quantization.md)."""
         from jaxlab.train.run_dir import PER_PROCESS_FIELDS, RunDir
 
+        if activations == "int8" and weights != "int8":
+            raise UsageProblem(
+                "--activations int8 quantizes the input of int8 weights; add --weights int8"
+            )
         rd = RunDir(run_dir)
         if not rd.exists():
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
@@ -350,14 +388,31 @@ def register(app: typer.Typer) -> None:
         trainer = Trainer(cfg, run_dir)
         restored = _restore(trainer, step)
         with trainer:
-            result = {"run_dir": str(run_dir), "step": restored, **trainer.evaluate(batches)}
+            result: dict[str, Any] = {
+                "run_dir": str(run_dir),
+                "step": restored,
+                **trainer.evaluate(batches),
+            }
+            if weights == "int8":
+                int8 = trainer.evaluate_int8(batches, "int8" if activations == "int8" else "float")
+                result["int8"] = {"activations": activations, **int8}
+                result["int8"]["perplexity_ratio"] = int8["perplexity"] / result["perplexity"]
         assert trainer.restored is not None
         result["skipped_checkpoints"] = _skipped(trainer.restored)
         if json_:
             emit_json(result)
-        else:
+            return
+        console.print(
+            f"step {restored}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, "
+            f"accuracy {result['accuracy']:.3f} over {int(result['tokens'])} tokens",
+            markup=False,
+        )
+        if weights == "int8":
+            q = result["int8"]
             console.print(
-                f"step {restored}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, "
-                f"accuracy {result['accuracy']:.3f} over {int(result['tokens'])} tokens",
+                f"int8 weights ({activations} activations): loss {q['loss']:.4f}, perplexity"
+                f" {q['perplexity']:.2f} ({100 * (q['perplexity_ratio'] - 1):+.2f}% of float),"
+                f" accuracy {q['accuracy']:.3f}, greedy agreement with float"
+                f" {q['greedy_agreement']:.4f}",
                 markup=False,
             )

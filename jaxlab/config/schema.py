@@ -358,6 +358,31 @@ class InferenceConfig(Section):
         gt=0,
         description="KV-cache memory budget in MiB, instead of num_pages.",
     )
+    weights: Literal["float", "int8"] = Field(
+        default="float",
+        description=(
+            "The weights inference reads: 'float' as trained (train.precision.param_dtype);"
+            " 'int8' quantizes every dense layer and the LM head when the weights are loaded"
+            " (per-output-channel symmetric int8, scale applied to the matmul's output;"
+            " docs/quantization.md)."
+        ),
+    )
+    activations: Literal["float", "int8"] = Field(
+        default="float",
+        description=(
+            "With weights = 'int8': 'float' multiplies the int8 weights with the activations"
+            " in the compute dtype (weight-only); 'int8' also quantizes each matmul's input"
+            " per row and runs an int8 x int8 -> int32 dot (the accelerators' int8 path)."
+        ),
+    )
+    kv_cache_dtype: Literal["compute", "int8"] = Field(
+        default="compute",
+        description=(
+            "What the paged KV pool stores: 'compute' the compute dtype; 'int8' int8 K/V with"
+            " one float32 scale per (token, kv head), a quarter of a float32 pool's bytes"
+            " plus the scales."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> InferenceConfig:
@@ -549,6 +574,12 @@ class JaxlabConfig(Section):
                     f"inference.prefill_buckets: must be strictly increasing, >= 1 and <= "
                     f"{cap} (got {bs})"
                 )
+        if inf.activations == "int8" and inf.weights != "int8":
+            errors.append(
+                f"inference.activations: 'int8' quantizes the input of int8 weights, but"
+                f" inference.weights = {inf.weights!r}; set inference.weights = 'int8' too, or"
+                " leave activations at 'float'"
+            )
         if m.positions == "learned" and (inf.max_len or m.max_seq_len) > m.max_seq_len:
             errors.append("inference.max_len: learned positions stop at model.max_seq_len")
         sv = self.serve

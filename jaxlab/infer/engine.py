@@ -49,7 +49,7 @@ from jaxlab.infer.steps import (
     prepare_weights,
     step_weight_bytes,
 )
-from jaxlab.kernels.paged import PagedCache, Pages, max_pages_for
+from jaxlab.kernels.paged import KV_SCALE_BYTES, PagedCache, Pages, max_pages_for
 from jaxlab.model import make_model, split_model
 from jaxlab.model.transformer import is_stacked, unstack_params
 from jaxlab.runtime import tuning
@@ -113,8 +113,14 @@ class Engine:
         self.cfg = cfg
         self.platform: str = jax.default_backend()
         self.tuning = tuning.current()
-        self.params = params  # also prepares the decode weights
         inf = cfg.inference
+        #: ``"float"`` or ``"int8"`` (``inference.weights``): what the verbs read.
+        self.weights_format: str = inf.weights
+        #: ``"int8"``, or the compute dtype's name (``inference.kv_cache_dtype``).
+        self.kv_cache_dtype: str = (
+            "int8" if inf.kv_cache_dtype == "int8" else str(cfg.train.precision.compute_dtype)
+        )
+        self.params = params  # also prepares the decode weights (quantized with int8)
         self.max_len: int = inf.max_len or cfg.model.max_seq_len
         buckets = sorted(set(inf.prefill_buckets or default_buckets(self.max_len)))
         if buckets[-1] != self.max_len:
@@ -124,7 +130,7 @@ class Engine:
         #: Tokens per page, and the pages one sequence of ``max_len`` tokens may hold.
         self.page_size: int = inf.page_size
         self.max_pages: int = max_pages_for(self.max_len, self.page_size)
-        self._model = nnx.merge(graphdef, params)
+        self._model = nnx.merge(graphdef, self._params)
         attn = self._model.blocks[0].attn
         self.kernel: str = attn.kernel_name
         self.paged_kernel: str = attn.paged_kernel.name
@@ -161,8 +167,16 @@ class Engine:
 
     @params.setter
     def params(self, params: nnx.State) -> None:
-        self._params = self._unrolled(params)
-        self._weights = prepare_weights(self.graphdef, self._params, self.tuning.transposed_head)
+        # With int8 weights the engine keeps only the quantized dense kernels: ``params``
+        # reads back quantized, and the float ones it was given are not held.
+        self._weights = self._prepare(self._unrolled(params))
+        self._params = self._weights.params
+
+    def _prepare(self, params: nnx.State) -> Weights:
+        inf = self.cfg.inference
+        return prepare_weights(
+            self.graphdef, params, self.tuning.transposed_head, inf.weights, inf.activations
+        )
 
     def _unrolled(self, params: nnx.State) -> nnx.State:
         """``params`` as the engine's unrolled model has them (a ``scan_layers`` model's
@@ -175,8 +189,7 @@ class Engine:
         """What prefill and decode read: the engine's (prepared once) or ``params``'."""
         if params is None or params is self._params:
             return self._weights
-        params = self._unrolled(params)
-        return prepare_weights(self.graphdef, params, self.tuning.transposed_head)
+        return self._prepare(self._unrolled(params))
 
     @property
     def step_weight_bytes(self) -> int:
@@ -184,13 +197,22 @@ class Engine:
         return step_weight_bytes(self.graphdef, self._weights)
 
     @property
+    def kv_bytes_per_token_head(self) -> int:
+        """Bytes the KV cache holds per token, layer, kv head and K-or-V: ``head_dim``
+        values in the cache's dtype (``inference.kv_cache_dtype``), plus a float32 scale
+        when they are int8."""
+        d = self.cfg.model.head_dim
+        if self.kv_cache_dtype == "int8":
+            return d + KV_SCALE_BYTES
+        return d * jax.numpy.dtype(self.kv_cache_dtype).itemsize
+
+    @property
     def cache_bytes_per_slot(self) -> int:
-        """Bytes of one slot's KV cache: every layer's K and V at ``max_len`` positions, in
-        the cache's dtype (the compute dtype). Every kernel's layout holds exactly these
+        """Bytes of one slot's KV cache: every layer's K and V at ``max_len`` positions
+        (:attr:`kv_bytes_per_token_head` each). Every kernel's layout holds exactly these
         (none pads), so this is from the config alone."""
         m = self.cfg.model
-        itemsize = jax.numpy.dtype(self.compute_dtype).itemsize
-        return 2 * m.n_layers * m.n_kv_heads * m.head_dim * itemsize * self.max_len
+        return 2 * m.n_layers * m.n_kv_heads * self.kv_bytes_per_token_head * self.max_len
 
     # ------------------------------------------------------------------ facts
 
@@ -211,8 +233,7 @@ class Engine:
     def page_bytes(self) -> int:
         """Bytes of one page: K and V of ``page_size`` tokens in every layer."""
         m = self.cfg.model
-        itemsize = np.dtype(self._model.compute_dtype).itemsize
-        return 2 * m.n_layers * self.page_size * m.n_kv_heads * m.head_dim * itemsize
+        return 2 * m.n_layers * self.page_size * m.n_kv_heads * self.kv_bytes_per_token_head
 
     def pool_pages(self, slots: int, groups: int = 1) -> int:
         """The pages of one decode state of ``slots`` rows, when the configured KV cache is
@@ -224,13 +245,15 @@ class Engine:
             n = inf.num_pages // groups
         elif inf.kv_cache_mib is not None:
             m = self.cfg.model
+            int8_kv = self.kv_cache_dtype == "int8"
             n = pages_for_budget(
                 inf.kv_cache_mib / groups,
                 page_size=self.page_size,
                 n_layers=m.n_layers,
                 n_kv_heads=m.n_kv_heads,
                 head_dim=m.head_dim,
-                dtype_bytes=np.dtype(self._model.compute_dtype).itemsize,
+                dtype_bytes=1 if int8_kv else jax.numpy.dtype(self.kv_cache_dtype).itemsize,
+                scale_bytes=KV_SCALE_BYTES if int8_kv else 0,
             )
         else:
             return default_num_pages(slots, self.max_len, self.page_size)
@@ -298,9 +321,10 @@ class Engine:
         zeros = self._zero_pools.get(n)
         if zeros is None:
             model, ps, max_len = self._model, self.page_size, self.max_len
+            dtype = None if self.kv_cache_dtype != "int8" else jax.numpy.int8
 
             def zero_pools(table: Array) -> tuple[PagedCache, ...]:
-                return model.init_pages(table.shape[0], n, ps, max_len).pools
+                return model.init_pages(table.shape[0], n, ps, max_len, dtype).pools
 
             zeros = self.track(ShapeKeyedJit(zero_pools, name="init_decode_state"))
             self._zero_pools[n] = zeros
@@ -408,9 +432,9 @@ class Engine:
         k = k or self.cfg.inference.stream_chunk_tokens
         fn = self._generate.get(k)
         if fn is None:
-            step = make_generate(
-                self.graphdef, k, buckets=self.tuning.row_buckets, staged=self.tuning.staged_pages
-            )
+            # An int8 pool is read page by page (the staged contiguous cache is float).
+            staged = self.tuning.staged_pages and self.kv_cache_dtype != "int8"
+            step = make_generate(self.graphdef, k, buckets=self.tuning.row_buckets, staged=staged)
             fn = self.track(ShapeKeyedJit(step, name="generate", donate_argnums=(1,)))
             self._generate[k] = fn
         return fn(self.weights(params), state)

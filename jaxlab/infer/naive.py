@@ -11,8 +11,8 @@ independent path that cached decoding must agree with. Having no cache, it has n
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from jaxlab.infer.sampling import (
     sample,
     sampling_arrays,
 )
-from jaxlab.infer.steps import NO_TOKEN, advance_rows, decode_loop
+from jaxlab.infer.steps import NO_TOKEN, Weights, advance_rows, decode_loop
 from jaxlab.runtime.compiled import ShapeKeyedJit
 
 Array = jax.Array
@@ -48,18 +48,19 @@ class NaiveState:
 
 
 def naive_step(
-    graphdef: nnx.GraphDef, params: nnx.State, st: NaiveState
+    graphdef: nnx.GraphDef, params: nnx.State, st: NaiveState, head: Any = None
 ) -> tuple[NaiveState, Array, Array]:
     """One cache-free step: the whole ``[B, max_len]`` buffer, logits read at ``pos``.
 
     The causal mask hides everything after ``pos`` (right padding, stale tokens), so the
-    logits at ``pos`` are those of the prefix ``buf[:pos + 1]``.
+    logits at ``pos`` are those of the prefix ``buf[:pos + 1]``. ``head``: the LM head the
+    engine decodes with (:class:`~jaxlab.infer.steps.Weights`), None for the model's own.
     """
     b, s = st.buf.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     model = nnx.merge(graphdef, params)
     h = model.features(st.buf, positions)
-    logits = model.logits(jnp.take_along_axis(h, st.pos[:, None, None], axis=1)[:, 0])
+    logits = model.logits(jnp.take_along_axis(h, st.pos[:, None, None], axis=1)[:, 0], head)
     tok = sample(logits, st.sampling, st.generated)
     active = ~st.done
     generated, done = advance_rows(tok, active, st.generated, st.done, st.sampling)
@@ -88,8 +89,8 @@ class NaiveEngine:
         self.max_len = engine.max_len
         graphdef = engine.graphdef
 
-        def first(params: nnx.State, state: NaiveState) -> tuple[NaiveState, Array, Array]:
-            new, _, emitted = naive_step(graphdef, params, state)
+        def first(weights: Weights, state: NaiveState) -> tuple[NaiveState, Array, Array]:
+            new, _, emitted = naive_step(graphdef, weights.params, state, weights.head)
             return new, emitted, new.done
 
         def insert(prefix: NaiveState, state: NaiveState, slots: Array) -> NaiveState:
@@ -155,7 +156,7 @@ class NaiveEngine:
         prefix = self.initial_state(
             [c.tokens for c in chunks], [c.sampling for c in chunks], [c.generated for c in chunks]
         )
-        prefix, tokens, done = self._prefill(self.engine.params, prefix)
+        prefix, tokens, done = self._prefill(self.engine.weights(), prefix)
         return state, Prefill(prefix, tokens, done, None, tuple(True for _ in chunks))
 
     def insert(self, prefix: Prefill, state: NaiveState, slots: Sequence[int]) -> NaiveState:
@@ -169,14 +170,17 @@ class NaiveEngine:
         k = k or self.engine.cfg.inference.stream_chunk_tokens
         fn = self._generate.get(k)
         if fn is None:
-            step = functools.partial(naive_step, self.engine.graphdef)
+            graphdef = self.engine.graphdef
 
-            def loop(params: nnx.State, st: NaiveState) -> tuple[NaiveState, Array, Array]:
-                return decode_loop(step, params, st, k)
+            def step(weights: Weights, st: NaiveState) -> tuple[NaiveState, Array, Array]:
+                return naive_step(graphdef, weights.params, st, weights.head)
+
+            def loop(weights: Weights, st: NaiveState) -> tuple[NaiveState, Array, Array]:
+                return decode_loop(step, weights, st, k)
 
             fn = self.engine.track(ShapeKeyedJit(loop, name="naive_generate", donate_argnums=(1,)))
             self._generate[k] = fn
-        return fn(self.engine.params, state)
+        return fn(self.engine.weights(), state)
 
 
 __all__ = ["NaiveEngine", "NaiveState", "naive_step"]

@@ -245,11 +245,20 @@ def default_num_pages(slots: int, max_len: int, page_size: int) -> int:
 
 
 def pages_for_budget(
-    mib: float, *, page_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int
+    mib: float,
+    *,
+    page_size: int,
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    scale_bytes: int = 0,
 ) -> int:
     """Pages that ``mib`` MiB of KV cache holds: a page is K and V of ``page_size`` tokens
-    in every layer. ValueError if not even one page fits."""
-    page_bytes = 2 * n_layers * page_size * n_kv_heads * head_dim * dtype_bytes
+    in every layer, each token and kv head ``head_dim`` values of ``dtype_bytes`` and (an
+    int8 pool) a scale of ``scale_bytes``. ValueError if not even one page fits."""
+    per_head = head_dim * dtype_bytes + scale_bytes
+    page_bytes = 2 * n_layers * page_size * n_kv_heads * per_head
     n = int(mib * 2**20 // page_bytes)
     if n < 1:
         raise ValueError(

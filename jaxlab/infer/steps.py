@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,13 @@ from jaxlab.infer.state import DecodeState
 from jaxlab.kernels import NO_SLOT
 from jaxlab.kernels.paged import PagedCache, Pages
 from jaxlab.kernels.rows import Rows, row_buckets
+from jaxlab.model.quant import (
+    Activations,
+    QuantizedKernel,
+    quantize_dense,
+    quantize_tied_head,
+    weight_bytes,
+)
 from jaxlab.model.transformer import C, Cache, Transformer
 
 Array = jax.Array
@@ -36,37 +43,52 @@ NO_TOKEN = -1
 
 
 class Weights(NamedTuple):
-    """What prefill and decode read: the model's ``params``, and its LM head as a
-    ``[d_model, vocab]`` kernel prepared once for decoding (None: the model's own)."""
+    r"""What prefill and decode read: the model's ``params``, and its LM head as a
+    ``[d_model, vocab]`` kernel prepared once for decoding (None: the model's own). With
+    int8 weights the dense kernels in ``params`` and the head are
+    :class:`~jaxlab.model.quant.QuantizedKernel`\ s."""
 
     params: nnx.State
-    head: Array | None = None
+    head: Array | QuantizedKernel | None = None
 
 
 _transposed = jax.jit(jnp.transpose)
 
 
-def prepare_weights(graphdef: nnx.GraphDef, params: nnx.State, transposed_head: bool) -> Weights:
+def prepare_weights(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    transposed_head: bool,
+    weights: Literal["float", "int8"] = "float",
+    activations: Activations = "float",
+) -> Weights:
     """``params`` for decoding; with ``transposed_head`` a tied head gets a ``[d_model,
     vocab]`` copy, made once (:attr:`jaxlab.runtime.tuning.Tuning.transposed_head`): more
-    memory, the same bytes read per step (a lookup touches one table row per token)."""
+    memory, the same bytes read per step (a lookup touches one table row per token).
+
+    ``weights="int8"`` (``inference.weights``): every dense kernel is quantized
+    (:func:`~jaxlab.model.quant.quantize_dense`, per output channel), and so is the LM head:
+    an untied one in place, a tied one as an int8 ``[d_model, vocab]`` copy on every
+    platform (the table stays float for the lookups). ``activations``: how their matmuls
+    treat the input (``inference.activations``)."""
+    if weights == "int8":
+        params = quantize_dense(params, activations)
+        kernel, vocab_major = nnx.merge(graphdef, params).head_kernel()
+        head = quantize_tied_head(kernel, activations) if vocab_major else None
+        return Weights(params, head)
     kernel, vocab_major = nnx.merge(graphdef, params).head_kernel()
     return Weights(params, _transposed(kernel) if transposed_head and vocab_major else None)
 
 
 def step_weight_bytes(graphdef: nnx.GraphDef, weights: Weights) -> int:
     """Bytes of weights one decode step reads, whatever the batch: every block's parameters,
-    the final norm and the LM head. The token and position tables are left out (a step
-    looks up one row of each per token). At batch 1 a step can go no faster than one read
-    of these bytes: the ``peer`` benchmark's read ceiling divides by it."""
+    the final norm and the LM head (int8 kernels count their values and scales). The token
+    and position tables are left out (a step looks up one row of each per token). At batch
+    1 a step can go no faster than one read of these bytes: the ``peer`` benchmark's read
+    ceiling divides by it."""
     model = nnx.merge(graphdef, weights.params)
     head = weights.head if weights.head is not None else model.head_kernel()[0]
-    arrays = [
-        *jax.tree.leaves(nnx.state(model.blocks)),
-        *jax.tree.leaves(nnx.state(model.final_norm)),
-        head,
-    ]
-    return sum(int(a.size) * a.dtype.itemsize for a in arrays)
+    return weight_bytes([nnx.state(model.blocks), nnx.state(model.final_norm), head])
 
 
 def advance_rows(

@@ -27,10 +27,17 @@ The pool's layout is kv-head major, ``[K, num_pages, page_size, D]`` per layer, 
 kernels: one kv head's page is then a contiguous ``page_size x D`` slab, so the fast kernel
 gathers a row's pages as whole rows of a 2-D view and feeds them to its dots without a
 transpose (:mod:`jaxlab.kernels.paged_xla` says why that matters on XLA:CPU).
+
+**An int8 pool** (``inference.kv_cache_dtype = "int8"``) stores K and V as int8 and, beside
+them, one float32 scale per token and kv head (``k_scale, v_scale [K, num_pages,
+page_size]``): each written ``[D]`` vector is quantized symmetrically on its own
+(:mod:`jaxlab.kernels.int8`), when it is written. Readers either dequantize (the reference)
+or apply the scales to the attention logits and probabilities (``paged_xla``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,18 +45,26 @@ import jax.numpy as jnp
 from flax import struct
 from jax.typing import DTypeLike
 
+from jaxlab.kernels import int8
 from jaxlab.kernels.masks import cache_mask
 from jaxlab.kernels.reference import attention
 
 Array = jax.Array
 
 
+#: Bytes of the scale an int8 pool keeps per token and kv head, for K and for V each.
+KV_SCALE_BYTES = 4
+
+
 @struct.dataclass
 class PagedCache:
-    """One layer's pool: ``k, v [K, num_pages, page_size, D]``."""
+    """One layer's pool: ``k, v [K, num_pages, page_size, D]``; an int8 pool also holds
+    ``k_scale, v_scale f32[K, num_pages, page_size]`` (None otherwise)."""
 
     k: Array
     v: Array
+    k_scale: Array | None = None
+    v_scale: Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -62,12 +77,15 @@ class PagedCache:
 
 @struct.dataclass
 class PagedLayer:
-    """What a paged kernel reads and writes: one layer's pool and the shared page table
-    ``table i32[B, max_pages]`` (entries are page ids or ``NO_PAGE = num_pages``)."""
+    """What a paged kernel reads and writes: one layer's pool (with its scales, if int8)
+    and the shared page table ``table i32[B, max_pages]`` (entries are page ids or
+    ``NO_PAGE = num_pages``)."""
 
     k: Array
     v: Array
     table: Array
+    k_scale: Array | None = None
+    v_scale: Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -78,8 +96,13 @@ class PagedLayer:
         return self.k.shape[2]
 
     @property
+    def quantized(self) -> bool:
+        """An int8 pool: values are read as ``value * scale``."""
+        return self.k_scale is not None
+
+    @property
     def pool(self) -> PagedCache:
-        return PagedCache(self.k, self.v)
+        return PagedCache(self.k, self.v, self.k_scale, self.v_scale)
 
 
 @struct.dataclass
@@ -107,7 +130,7 @@ class Pages:
 
     def layer(self, i: int) -> PagedLayer:
         pool = self.pools[i]
-        return PagedLayer(pool.k, pool.v, self.table)
+        return PagedLayer(pool.k, pool.v, self.table, pool.k_scale, pool.v_scale)
 
 
 #: The fewest positions read: shorter page counts would add branches for little saving.
@@ -145,8 +168,16 @@ def max_pages_for(max_len: int, page_size: int) -> int:
 def init_pool(
     num_pages: int, page_size: int, n_kv_heads: int, head_dim: int, dtype: DTypeLike
 ) -> PagedCache:
-    """An all-zero pool (traceable)."""
+    """An all-zero pool (traceable); ``dtype`` int8 gives an int8 pool with its scales."""
     shape = (n_kv_heads, num_pages, page_size, head_dim)
+    if jnp.dtype(dtype) == jnp.int8:
+        scales = shape[:-1]
+        return PagedCache(
+            jnp.zeros(shape, jnp.int8),
+            jnp.zeros(shape, jnp.int8),
+            jnp.zeros(scales, jnp.float32),
+            jnp.zeros(scales, jnp.float32),
+        )
     return PagedCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -198,13 +229,21 @@ def write_at(layer: PagedLayer, k: Array, v: Array, positions: Array) -> PagedLa
     idx = jnp.where(slots[None, :] < n_slots, head * n_slots + slots[None, :], past).reshape(-1)
     idx = jnp.concatenate([idx, jnp.full((1,), total + n_kv * b * t, jnp.int32)])
 
-    def put(pool: Array, new: Array) -> Array:
-        rows = new.reshape(b * t, n_kv, d).transpose(1, 0, 2).reshape(n_kv * b * t, d)
-        rows = jnp.concatenate([rows, jnp.zeros((1, d), rows.dtype)]).astype(pool.dtype)
-        out = pool.reshape(total, d).at[idx].set(rows, mode="drop", unique_indices=True)
-        return out.reshape(pool.shape)
+    def scatter(pool: Array, rows: Array) -> Array:
+        flat = pool.reshape(total, *pool.shape[3:])
+        return flat.at[idx].set(rows, mode="drop", unique_indices=True).reshape(pool.shape)
 
-    return PagedLayer(put(layer.k, k), put(layer.v, v), layer.table)
+    def put(pool: Array, scales: Array | None, new: Array) -> tuple[Array, Array | None]:
+        rows = new.reshape(b * t, n_kv, d).transpose(1, 0, 2).reshape(n_kv * b * t, d)
+        rows = jnp.concatenate([rows, jnp.zeros((1, d), rows.dtype)])
+        if scales is None:
+            return scatter(pool, rows.astype(pool.dtype)), None
+        q, scale = int8.quantize(rows, axis=-1)  # one scale per (kv head, token)
+        return scatter(pool, q), scatter(scales, scale)
+
+    k_pool, k_scale = put(layer.k, layer.k_scale, k)
+    v_pool, v_scale = put(layer.v, layer.v_scale, v)
+    return PagedLayer(k_pool, v_pool, layer.table, k_scale, v_scale)
 
 
 def present_slots(table: Array, num_pages: int, page_size: int) -> Array:
@@ -223,22 +262,25 @@ def visible_slots(positions: Array, table: Array, num_pages: int, page_size: int
 def gather(layer: PagedLayer) -> tuple[Array, Array]:
     """``(k, v)`` of every table page of every row, contiguous: ``[B, max_pages *
     page_size, K, D]``, position ``s`` at slot ``s`` (``NO_PAGE`` entries read the last
-    page: mask them with :func:`present_slots`)."""
+    page: mask them with :func:`present_slots`). An int8 pool is dequantized (float32)."""
     b, n = layer.table.shape
     ps = layer.page_size
 
-    def one(pool: Array) -> Array:
+    def one(pool: Array, scale: Array | None) -> Array:
         pages = jnp.take(pool, layer.table, axis=1, mode="clip")  # [K, B, n, ps, D]
+        if scale is not None:
+            scales = jnp.take(scale, layer.table, axis=1, mode="clip")  # [K, B, n, ps]
+            pages = int8.dequantize(pages, scales, axis=-1)
         return pages.transpose(1, 2, 3, 0, 4).reshape(b, n * ps, pool.shape[0], pool.shape[3])
 
-    return one(layer.k), one(layer.v)
+    return one(layer.k, layer.k_scale), one(layer.v, layer.v_scale)
 
 
 def take_rows(layer: PagedLayer, r: int) -> PagedLayer:
     """The leading ``r`` rows: the pool is not row-indexed, so only the table is sliced."""
     if r == layer.table.shape[0]:
         return layer
-    return PagedLayer(layer.k, layer.v, layer.table[:r])
+    return dataclasses.replace(layer, table=layer.table[:r])
 
 
 class PagedLayout:
@@ -275,6 +317,7 @@ class PagedReference(PagedLayout):
 
 
 __all__ = [
+    "KV_SCALE_BYTES",
     "MIN_VISIBLE_TOKENS",
     "PagedCache",
     "PagedLayer",

@@ -21,6 +21,10 @@ Two choices, both measured on XLA:CPU (``docs/performance.md``) and tested again
   einsum over a gathered ``[B, S, K, D]`` cache, both pay a transpose of the gathered
   pages per layer per step and ran several times slower.
 
+An int8 pool (:mod:`jaxlab.kernels.paged`) is read without dequantizing the pages: the
+gathered int8 values go into the dots, and the per-position scales multiply the logits (K)
+and the probabilities (V), which is the same sum.
+
 Softmax reductions run in two stages where the platform wants it
 (:mod:`jaxlab.kernels.reduce`). The gather is still a copy of every page a step reads; on
 XLA:CPU the engine's decode calls avoid it by staging (:mod:`jaxlab.kernels.staged`), and
@@ -56,15 +60,23 @@ def attend_pages(q: Array, layer: PagedLayer, positions: Array, n: int) -> Array
         flat = pool.reshape(kv * num_pages, ps * d)
         return jnp.take(flat, rows, axis=0, mode="clip").reshape(kv, b, s, d).astype(q.dtype)
 
+    def scales(scale: Array) -> Array:  # an int8 pool's [kv, b, 1, s], beside the pages
+        flat = scale.reshape(kv * num_pages, ps)
+        return jnp.take(flat, rows, axis=0, mode="clip").reshape(kv, b, 1, s)
+
     k, v = gather(layer.k), gather(layer.v)
     qh = q.reshape(b, t, kv, g, d).transpose(2, 0, 3, 1, 4).reshape(kv, b, g * t, d)
     logits = jnp.einsum("kbqd,kbsd->kbqs", qh, k, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(d))
+    if layer.k_scale is not None:  # q . (k * s) = (q . k) * s: the int8 keys are dotted as is
+        logits = logits * scales(layer.k_scale)
     visible = visible_slots(positions, layer.table[:, :n], num_pages, ps)  # [B, T, S]
     logits = logits.reshape(kv, b, g, t, s)
     logits = jnp.where(visible[None, :, None], logits, MASK_VALUE).reshape(kv, b, g * t, s)
-    probs = softmax_last(logits).astype(q.dtype)
-    out = jnp.einsum("kbqs,kbsd->kbqd", probs, v)
+    probs = softmax_last(logits)
+    if layer.v_scale is not None:  # sum_s p_s (v_s * s_s) = sum_s (p_s * s_s) v_s
+        probs = probs * scales(layer.v_scale)
+    out = jnp.einsum("kbqs,kbsd->kbqd", probs.astype(q.dtype), v)
     return out.reshape(kv, b, g, t, d).transpose(1, 3, 0, 2, 4).reshape(b, t, h, d)
 
 

@@ -43,7 +43,16 @@ def stage(kernel: AttentionKernel, layer: PagedLayer, max_len: int) -> LayerCach
 
     Every page is read, not only the ones some row has written yet: the cache is written
     whole either way (zeros past the pages read), and a ``lax.switch`` over page counts
-    would copy its zeros out of the branch."""
+    would copy its zeros out of the branch.
+
+    An int8 pool is not staged: the contiguous cache holds floats, so the tokens a call
+    writes would be read unquantized until the call ends, and a request's output would
+    depend on how its decoding is chunked. The engine reads int8 pools page by page."""
+    if layer.quantized:
+        raise ValueError(
+            "an int8 KV pool (inference.kv_cache_dtype = 'int8') is read page by page by its"
+            " paged kernel, not staged into a contiguous cache"
+        )
     from_pages = getattr(kernel, "from_pages", None)
     if from_pages is not None:
         cache = from_pages(layer.k, layer.v, layer.table, max_len)

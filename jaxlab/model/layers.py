@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from jaxlab.model.quant import QuantizedKernel, quantized_matmul
+
 Array = jax.Array
 
 #: Standard deviation of every embedding and projection at initialisation (GPT-2).
@@ -49,7 +51,10 @@ def residual_std(n_layers: int) -> float:
 
 
 def dense(
-    x: Array, kernel: Array, compute_dtype: DTypeLike, out_dtype: DTypeLike | None = None
+    x: Array,
+    kernel: Array | QuantizedKernel,
+    compute_dtype: DTypeLike,
+    out_dtype: DTypeLike | None = None,
 ) -> Array:
     """``x @ kernel`` with both inputs cast to ``compute_dtype``.
 
@@ -62,13 +67,19 @@ def dense(
     that XLA:CPU runs in place, where the ``[B, T, k]`` form makes it materialise a
     transposed copy of ``dy`` fused with the producer (several times slower on CPU, see
     ``docs/performance.md``).
+
+    An int8 kernel (:class:`~jaxlab.model.quant.QuantizedKernel`, inference with
+    ``inference.weights = "int8"``) runs :func:`~jaxlab.model.quant.quantized_matmul`: the
+    same product, its scales applied to the accumulator.
     """
     lead = x.shape[:-1]
-    y = jnp.matmul(
-        x.reshape(-1, x.shape[-1]).astype(compute_dtype),
-        kernel.astype(compute_dtype),
-        preferred_element_type=out_dtype,
-    )
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(kernel, QuantizedKernel):
+        y = quantized_matmul(x2, kernel, compute_dtype, out_dtype)
+    else:
+        y = jnp.matmul(
+            x2.astype(compute_dtype), kernel.astype(compute_dtype), preferred_element_type=out_dtype
+        )
     return y.reshape(*lead, kernel.shape[-1])
 
 

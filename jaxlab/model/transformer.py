@@ -55,6 +55,7 @@ from jaxlab.model.layers import (
     dropout,
     normal_init,
 )
+from jaxlab.model.quant import QuantizedKernel
 
 Array = jax.Array
 #: A contiguous decode cache: one kernel-layout cache per layer.
@@ -259,19 +260,20 @@ class Transformer(nnx.Module):
         )
         return x, rope
 
-    def head_kernel(self) -> tuple[Array, bool]:
+    def head_kernel(self) -> tuple[Array | QuantizedKernel, bool]:
         """``(kernel, vocab_major)`` of the LM head: the ``[V, d]`` embedding table when
-        tied (``vocab_major=True``), else the ``[d, V]`` ``lm_head``."""
+        tied (``vocab_major=True``), else the ``[d, V]`` ``lm_head`` (int8 when the
+        inference engine quantized it)."""
         if self.lm_head is None:
             return self.embed.table[...], True
         return self.lm_head[...], False
 
-    def logits(self, h: Array, head: Array | None = None) -> Array:
+    def logits(self, h: Array, head: Array | QuantizedKernel | None = None) -> Array:
         """The LM head on final-normed features ``[..., d_model]`` -> f32 ``[..., vocab]``.
 
         ``head``: the head as a ``[d_model, vocab]`` kernel, prepared once by the caller
-        (a decoder may keep a transposed copy of a tied table, ``jaxlab.infer``); None
-        reads the model's own.
+        (a decoder may keep a transposed copy of a tied table, or an int8 one,
+        ``jaxlab.infer``); None reads the model's own.
         """
         if head is not None:
             return dense(h, head, self.compute_dtype, jnp.float32)

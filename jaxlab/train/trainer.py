@@ -31,6 +31,7 @@ from jaxlab.config import JaxlabConfig
 from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
 from jaxlab.data.cache import default_cache_dir
 from jaxlab.model import flops_per_token
+from jaxlab.model.quant import Activations
 from jaxlab.parallel import build_mesh, check_model_fits, describe_mesh, place_batch
 from jaxlab.parallel.distributed import barrier, is_primary
 from jaxlab.parallel.rules import state_shardings
@@ -535,6 +536,32 @@ class Trainer:
         return evaluate_params(
             self.eval_fn,
             self.state["params"],
+            self.store,
+            self.cfg.data.seq_len,
+            self.cfg.train.batch_size,
+            max_batches or self.cfg.train.eval_batches,
+            mesh=self.mesh,
+        )
+
+    def evaluate_int8(
+        self, max_batches: int | None = None, activations: Activations = "float"
+    ) -> dict[str, float]:
+        """The eval split scored by the int8 form of the parameters, beside the float ones
+        (:mod:`jaxlab.train.quant_eval`): the int8 model's loss, perplexity and accuracy,
+        and its greedy agreement with the float model; the same batches as
+        :meth:`evaluate`."""
+        from jaxlab.train.quant_eval import evaluate_int8, int8_weights, make_int8_eval_step
+
+        params = self.state["params"]
+        step = ShapeKeyedJit(
+            make_int8_eval_step(self.graphdef),
+            name="int8_eval_step",
+            out_shardings=NamedSharding(self.mesh, PartitionSpec()),
+        )
+        return evaluate_int8(
+            step,
+            params,
+            int8_weights(self.graphdef, params, activations),
             self.store,
             self.cfg.data.seq_len,
             self.cfg.train.batch_size,

@@ -244,16 +244,59 @@ def test_the_peer_suite_interleaves_with_the_real_hugging_face_peer(tmp_path):
     peer = [rec for rec in load_records(run_dir) if rec.suite == "peer"]
     assert all(rec.status == "ok" for rec in peer), [rec.error for rec in peer]
     theirs = [rec for rec in peer if "side" in rec.case]
-    assert len(theirs) == 5 and all(len(rec.samples) == 2 for rec in theirs)
+    assert len(theirs) == 6 and all(len(rec.samples) == 2 for rec in theirs)
     interleaved = [rec.derived["interleaved"] for rec in theirs]
-    assert interleaved == [True, True, True, False, True], "all but naive batch 1 (peer only)"
+    assert interleaved == [True, True, True, False, True, True], "all but naive batch 1"
     warm = [rec.derived["warm_each"] for rec in theirs]
-    assert warm == [1, 1, 1, 0, 0], "each side re-warms before a timed call, but not naive"
+    assert warm == [1, 1, 1, 0, 0, 1], "each side re-warms before a timed call, but not naive"
     ratios = [rec for rec in peer if rec.metric.endswith("_speedup_vs_peer")]
-    assert len(ratios) == 3
+    assert len(ratios) == 4
     for rec in ratios:
         assert rec.derived["interleaved"] is True and len(rec.derived["pair_ratios"]) == 2
-    (read,) = [rec for rec in peer if rec.metric == "weights_read_s"]
-    assert len(read.samples) == 2 and read.derived["read_gb_per_s"] > 0
-    (ceiling,) = [rec for rec in peer if rec.metric == "generate_ceiling_vs_peer"]
-    assert (ceiling.stats.median or 0) > 0 and ceiling.derived["jaxlab_share_of_ceiling"] > 0
+    (int8,) = [rec for rec in ratios if rec.case.get("weights") == "int8"]
+    assert int8.case["batch"] == 1 and int8.derived["label"] == "int8 vs HF float32"
+    reads = [rec for rec in peer if rec.metric == "weights_read_s"]
+    assert [rec.case.get("weights") for rec in reads] == [None, "int8"]
+    int8_bytes, float_bytes = (float(rec.case["bytes"]) for rec in reversed(reads))  # type: ignore[arg-type]
+    assert int8_bytes < 0.3 * float_bytes  # int8 values + scales
+    for read in reads:
+        assert len(read.samples) == 2 and read.derived["read_gb_per_s"] > 0
+    ceilings = [rec for rec in peer if rec.metric == "generate_ceiling_vs_peer"]
+    assert [rec.case.get("weights") for rec in ceilings] == [None, "int8"]
+    for ceiling in ceilings:
+        assert (ceiling.stats.median or 0) > 0 and ceiling.derived["jaxlab_share_of_ceiling"] > 0
+
+
+@pytest.mark.slow
+def test_the_int8_row_is_labelled_and_its_ceiling_counts_int8_bytes(stand_in, tmp_path):
+    """The int8 row: jaxlab's batch-1 generation with int8 weights interleaved with a fresh
+    peer run, their ratio labelled "int8 vs HF float32", and the read ceiling at the int8
+    step's bytes (a quarter of float32's, plus the scales)."""
+    import jax
+    from flax import nnx
+
+    from jaxlab.bench.peer_suite import INT8_LABEL, _int8_row, gpt2_like
+    from jaxlab.config import DataConfig, ModelConfig, TokenizerConfig
+    from jaxlab.model import make_model, split_model
+
+    ctx = _context(tmp_path, repeats=2)
+    model = ModelConfig(vocab_size=258, d_model=32, n_heads=4, n_kv_heads=4, max_seq_len=32)
+    cfg = gpt2_like(
+        JaxlabConfig(
+            model=model, tokenizer=TokenizerConfig(kind="byte"), data=DataConfig(seq_len=32)
+        )
+    )
+    shape = {"vocab_size": 258}
+    with PeerSession(sys.executable, stand_in) as peer:
+        ours, theirs, ratio, read, ceiling = _int8_row(ctx, peer, cfg, shape, 8, 8)
+    assert ours.status == "ok" and ours.case["weights"] == "int8" and ours.case["batch"] == 1
+    assert theirs.case["vs"] == "jaxlab int8" and len(theirs.samples) == len(ours.samples) == 2
+    assert ratio.metric == "generate_speedup_vs_peer" and ratio.case["weights"] == "int8"
+    assert ratio.derived["label"] == INT8_LABEL == "int8 vs HF float32"
+    # The float step reads every parameter but the position table (the tied head is the
+    # token table), 4 bytes each.
+    _, abstract = split_model(nnx.eval_shape(lambda: make_model(cfg.model, cfg.train.precision, 0)))
+    float_bytes = 4 * (sum(a.size for a in jax.tree.leaves(abstract)) - 32 * 32)
+    assert read.metric == "weights_read_s" and read.case["weights"] == "int8"
+    assert float(read.case["bytes"]) < 0.35 * float_bytes  # type: ignore[arg-type]
+    assert ceiling.metric == "generate_ceiling_vs_peer" and ceiling.case["weights"] == "int8"
