@@ -6,7 +6,8 @@ What runs where:
 * **Decode** (one query token per row, ``T = 1``): the Pallas kernel, reading each row's
   pages through the table, only those its position needs. Compiled by Mosaic on a TPU,
   Pallas interpret mode on the CPU (how CI tests it).
-* **Extend** (``T > 1``: prefill chunks, several tokens per row against the pages), and
+* **Extend** (``T > 1``: prefill chunks, several tokens per row against the pages), an
+  int8 pool (``inference.kv_cache_dtype = "int8"``: the kernel reads float pages only), and
   decode on a TPU with a page size Mosaic cannot tile
   (:func:`~jaxlab.kernels.paged_plan.mosaic_problem`) or on any other accelerator: the
   ``paged_xla`` kernel, the same math.
@@ -62,7 +63,10 @@ class PagedPallas(PagedLayout):
 
     def attend_cache(self, q: Array, cache: PagedLayer, positions: Array) -> Array:
         backend = jax.default_backend()
-        if not runs_pallas(q.shape[1], cache.page_size, cache.k.dtype, backend, tpu=self.tpu):
+        # The Pallas kernel reads float pages only; an int8 pool goes to paged_xla.
+        if cache.quantized or not runs_pallas(
+            q.shape[1], cache.page_size, cache.k.dtype, backend, tpu=self.tpu
+        ):
             return self._xla.attend_cache(q, cache, positions)
         from jaxlab.kernels.pallas_paged import paged_decode
 
