@@ -74,4 +74,4 @@ def test_the_tpu_smoke_script_checks_a_shape_and_says_so() -> None:
     ok, line = check(tiny)
     assert ok and line.startswith("PASS tiny: max |diff|") and "on cpu" in line
     assert len({s.name for s in SHAPES}) == len(SHAPES)
-    assert all(runs_pallas(1, s.page_size, s.dtype, "tpu") for s in SHAPES)
+    assert all(runs_pallas(1, s.page_size, s.dtype, "tpu", tpu=True) for s in SHAPES)
