@@ -22,7 +22,7 @@ timed as usual, each sample the time of 64 calls back to back in one jitted loop
 by 64 (a lone call would time the host's dispatch, which at batch 1 takes longer than
 the kernel). Derived: ``us`` (the median in microseconds), ``kv_bytes`` (the K and V
 bytes the rows must read: ``2 K D`` elements per visible position), the rate they are
-read at against the datasheet's HBM bandwidth (819 GB/s on v5e) and the run's copy
+read at against the datasheet's HBM bandwidth (:mod:`jaxlab.runtime.datasheet`) and the run's copy
 (:meth:`~jaxlab.bench.context.BenchContext.bandwidth`), and ``max_abs_diff_vs_reference``
 (against ``paged_reference``, computed untimed), so a fast wrong kernel is visible.
 

@@ -36,7 +36,7 @@ class Datasheet:
         return None if tflops is None else tflops * 1e3
 
     def describe(self, dtype: str) -> str:
-        """``TPU v5e datasheet, bfloat16: 197 TFLOP/s`` (the denominator, in words)."""
+        """The denominator in words: ``"<name> datasheet, <dtype>: <peak> TFLOP/s"``."""
         return f"{self.name} datasheet, {dtype}: {self.matmul_tflops[dtype]:g} TFLOP/s"
 
 
@@ -47,8 +47,7 @@ DATASHEETS: dict[str, Datasheet] = {
         name="TPU v5e",
         matmul_tflops={"bfloat16": 197.0, "int8": 394.0},
         memory_gb_per_s=819.0,
-        source="https://cloud.google.com/tpu/docs/v5e (per chip: 197 TFLOP/s bf16, 394 "
-        "TOP/s int8, 16 GiB HBM2 at 819 GB/s)",
+        source="https://cloud.google.com/tpu/docs/v5e (per-chip figures)",
     ),
 }
 
