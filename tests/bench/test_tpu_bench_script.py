@@ -27,8 +27,9 @@ def test_usage_without_a_phase_and_an_unknown_phase(tmp_path):
     assert r.returncode == 2 and "unknown phase fast" in r.stderr
 
 
-@pytest.mark.slow
-def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
+def dry_run(tmp_path: Path, phases: list[str], timeout: int, **env_extra: str) -> str:
+    """Run ``phases`` of the script on the CPU with the tiny preset and --quick; the log,
+    after checking the script exited 0. Its files are under ``tmp_path / "out"``."""
     out = tmp_path / "out"
     env = {
         **clean_env(),
@@ -36,22 +37,34 @@ def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
         "TPU_BENCH_PLATFORM": "cpu",
         "TPU_BENCH_SMALL": "tiny",
         "TPU_BENCH_ARGS": "--quick",
-        "TPU_BENCH_FLAGS": "--xla_tpu_scoped_vmem_limit_kib=65536",
         "TPU_BENCH_DIR": str(tmp_path / "bench"),
-        "TPU_BENCH_BUDGET_S": "900",
         "OUT": str(out),
+        **env_extra,
     }
     env.pop("JAX_PLATFORMS")  # the script's --set runtime.platform decides
     r = subprocess.run(
-        ["bash", str(SCRIPT), "flags", "serve"],
+        ["bash", str(SCRIPT), *phases],
         capture_output=True,
         text=True,
         env=env,
         cwd=ROOT,
-        timeout=1200,
+        timeout=timeout,
     )
     log = (out / "tpu-bench.log").read_text()
     assert r.returncode == 0, log[-3000:]
+    return log
+
+
+@pytest.mark.slow
+def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    log = dry_run(
+        tmp_path,
+        ["flags", "serve"],
+        1200,
+        TPU_BENCH_FLAGS="--xla_tpu_scoped_vmem_limit_kib=65536",
+        TPU_BENCH_BUDGET_S="900",
+    )
     assert "server ready" in log and "server exit 0" in log and "skipped" not in log
     with tarfile.open(out / "tpu-bench-flags-serve.tgz") as tar:
         names = tar.getnames()
@@ -75,26 +88,7 @@ def test_the_kernels_phase_dry_runs_on_the_cpu(tmp_path):
     """The paged-attention suite runs (paged_xla alone off the TPU) and comes back packed;
     the Mosaic smoke check is skipped, and the log says why."""
     out = tmp_path / "out"
-    env = {
-        **clean_env(),
-        "PYTHON": sys.executable,
-        "TPU_BENCH_PLATFORM": "cpu",
-        "TPU_BENCH_SMALL": "tiny",
-        "TPU_BENCH_ARGS": "--quick",
-        "TPU_BENCH_DIR": str(tmp_path / "bench"),
-        "OUT": str(out),
-    }
-    env.pop("JAX_PLATFORMS")
-    r = subprocess.run(
-        ["bash", str(SCRIPT), "kernels"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    log = (out / "tpu-bench.log").read_text()
-    assert r.returncode == 0, log[-3000:]
+    log = dry_run(tmp_path, ["kernels"], 600)
     assert "skipped tpu_kernel_smoke.py: it checks Mosaic, and this run is on cpu" in log
     with tarfile.open(out / "tpu-bench-kernels.tgz") as tar:
         names = tar.getnames()
