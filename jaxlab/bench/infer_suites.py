@@ -129,7 +129,7 @@ def decode_bytes(
     "decode",
     needs_peak=True,
     new_shapes=True,
-    description="decode latency and tokens/s vs batch size",
+    description="decode latency and tokens/s vs batch size; batch 1 with speculative decoding",
 )
 def decode_suite(ctx: BenchContext) -> Iterator[Record]:
     import jax
@@ -156,6 +156,9 @@ def decode_suite(ctx: BenchContext) -> Iterator[Record]:
                 update={"derived": {**rec.derived, "step_vs_batch1": step / first_step}}
             )
         yield rec
+    from jaxlab.bench.speculative import speculative_cases
+
+    yield from speculative_cases(ctx, engine)  # batch 1, with and without speculation
 
 
 @suite(

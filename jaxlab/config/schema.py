@@ -494,6 +494,22 @@ class BenchConfig(Section):
             " `jaxlab bench serve --url`."
         ),
     )
+    speculative_run_dir: str | None = Field(
+        default=None,
+        description=(
+            "A trained run (e.g. `jaxlab train --config bench-small`, which trains on the"
+            " stdlib corpus) for the 'decode' suite's speculative cases: code completion"
+            " needs a model that has learnt code. Unset: those cases run the suite's"
+            " random-init model on random prompts only."
+        ),
+    )
+    speculative_draft_run_dir: str | None = Field(
+        default=None,
+        description=(
+            "A draft run of speculative_run_dir's tokenizer: the speculative cases then also"
+            " measure the 'draft' method."
+        ),
+    )
     train_variants: list[str] | None = Field(
         default=None,
         description=(

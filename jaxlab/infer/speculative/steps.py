@@ -7,13 +7,16 @@ for :class:`~jaxlab.runtime.compiled.ShapeKeyedJit`; nothing here touches the ho
 
 One step of the loop, for every row at once (``docs/speculative.md``)::
 
-    propose: prompt lookup over the row's tokens, or k steps of the draft model
-    if some row has drafts:  verify  (one forward over [token, d_1 .. d_k] at pos .. pos + k,
-                                      accept, roll the rejected positions back)
+    propose: prompt lookup over the row's tokens (or: the draft model will draft)
+    if some row has drafts:  verify  (the draft model's k steps; one forward over
+                                      [token, d_1 .. d_k] at pos .. pos + k; accept;
+                                      roll the rejected positions back)
     else:                    plain   (the engine's one-token step)
     emit the kept tokens (at most the row's budget and the call's room; a stop token ends it)
 
-A row emits up to ``k + 1`` tokens a step and at most ``n`` a call, so every position a
+Plain steps and verify steps run in two inner loops that take turns (a ``lax.cond``
+between them would copy the KV cache every step on XLA:CPU). A row emits up to ``k + 1``
+tokens a step and at most ``n`` a call, so every position a
 call writes lies below the row's position at the call's start plus ``n``: the pages a plain
 call of ``n`` steps needs cover a speculative call too. Rolled back means: the K/V of
 rejected drafts never reach the pool. Staged (XLA:CPU), the pool only receives the
@@ -92,7 +95,8 @@ def call_positions(start: Array, end: Array, n: int) -> Array:
 class Carry:
     """The loop's carry: the rows (their cache holds the table only), the target's and the
     draft's caches (staged contiguous ones, or the pages), each row's token ids as a
-    contiguous ``[B, S]`` copy, the counters, and the call's output."""
+    contiguous ``[B, S]`` copy, the counters, the call's output, and the next step's
+    proposals."""
 
     rows: DecodeState
     cache: Any
@@ -103,6 +107,8 @@ class Carry:
     on: Array
     count: Array  # i32[B]: tokens emitted this call
     out: Array  # i32[n, B]
+    drafts: Array  # i32[B, k]: the next step's drafts (prompt lookup)
+    wants: Array  # bool[B]: the row verifies drafts in the next step
 
 
 @struct.dataclass
@@ -214,6 +220,11 @@ def make_spec_generate(
     emitted ``n`` tokens this call (module docstring). ``tokens[i, b]`` is row ``b``'s
     ``i``-th token of the call or ``NO_TOKEN``. Jit with the state donated.
 
+    The loop alternates two inner loops, plain steps while no row has drafts and verify
+    steps while some row has, instead of a ``lax.cond`` between the two kinds of step:
+    XLA:CPU copies every buffer a conditional's branch updates in place (the whole KV
+    cache, each step), while loops update their carry in place.
+
     ``staged`` (:attr:`~jaxlab.runtime.tuning.Tuning.staged_pages`): the call stages the
     rows' pages (the target's and the draft's) into contiguous caches, and writes back only
     the positions each row kept; otherwise every step reads and writes the pages, and a
@@ -242,86 +253,100 @@ def make_spec_generate(
         history = gather_history(state.history, table)
         s_hist = history.shape[1]
 
-        def step(c: Carry) -> Carry:
+        def frozen(c: Carry) -> Array:
+            """Rows that do not step: done, or out of room in this call."""
+            return c.rows.done | (c.count >= n)
+
+        def room(c: Carry) -> Array:
+            return jnp.minimum(c.rows.sampling.max_new - c.rows.generated, n - c.count)
+
+        def proposed(c: Carry) -> Carry:
+            """The next step's drafts (prompt lookup) and which rows will verify them."""
             st = c.rows
-            sp = st.sampling
-            frozen = st.done | (c.count >= n)
-            active = ~frozen
-            room = jnp.minimum(sp.max_new - st.generated, n - c.count)
-            rows = Rows.up_to_last(active, sizes)
-            tview = hidden_rows(with_table(c.cache, table), frozen)
-            dview = hidden_rows(with_table(c.draft, table), frozen)
-            wants = active & c.on & (room >= 2)
+            wants = ~frozen(c) & c.on & (room(c) >= 2)
             if dmodel is None:
-                looked, found = lookup(
+                drafts, found = lookup(
                     c.history, st.tokens, st.pos, k, spec.ngram_min, spec.ngram_max
                 )
-                wants = wants & found
+                return dataclasses.replace(c, drafts=drafts, wants=wants & found)
+            return dataclasses.replace(c, wants=wants)  # the draft model drafts in the step
+
+        def views(c: Carry) -> tuple[Any, Any, Rows]:
+            hidden = frozen(c)
+            rows = Rows.up_to_last(~hidden, sizes)
+            tview = hidden_rows(with_table(c.cache, table), hidden)
+            dview = hidden_rows(with_table(c.draft, table), hidden)
+            return tview, dview, rows
+
+        def plain(c: Carry) -> Carry:
+            st, sp = c.rows, c.rows.sampling
+            tview, dview, rows = views(c)
+            pos = jnp.minimum(st.pos, max_len - 1)
+            h, new = model.decode(st.tokens, pos, tview, rows=rows)
+
+            def head(r: int, h: Array, sp: SamplingArrays, t: Array) -> tuple[Array]:
+                logits = model.logits(h[:r], weights.head)
+                return (sample(logits, jax.tree.map(lambda a: a[:r], sp), t[:r]),)
+
+            (tok,) = rows.run(head, h, sp, st.generated)
+            tokens = jnp.broadcast_to(tok[:, None], (b, k + 1))
+            fed = jnp.concatenate([st.tokens[:, None], jnp.zeros((b, k), jnp.int32)], axis=1)
+            nacc = jnp.zeros((b,), jnp.int32)
+            emitted = emission(tokens, nacc, ~frozen(c), room(c), sp)
+            return advance(c, Step(tokens, fed, nacc, emitted, new, dview))
+
+        def verify(c: Carry) -> Carry:
+            st, sp = c.rows, c.rows.sampling
+            tview, dview, rows = views(c)
+            active = ~frozen(c)
+            if dmodel is None:
+                drafts, probs, dnew = c.drafts, None, dview
             else:
-                looked = jnp.zeros((b, k), jnp.int32)
+                assert draft_weights is not None
+                drafts, probs, dnew = draft_tokens(
+                    dmodel, draft_weights, dview, c.history, st, rows, k
+                )
+            fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)
+            positions = st.pos[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+            saved = None if staged else read_pages(model, tview, positions[:, 1:])
+            h, new = model.extend(fed, positions, tview, rows=rows)
 
-            def verify() -> Step:
-                if dmodel is None:
-                    drafts, probs, dnew = looked, None, dview
-                else:
-                    assert draft_weights is not None
-                    drafts, probs, dnew = draft_tokens(
-                        dmodel, draft_weights, dview, c.history, st, rows, k
-                    )
-                fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)
-                positions = st.pos[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-                saved = None if staged else read_pages(model, tview, positions[:, 1:])
-                h, new = model.extend(fed, positions, tview, rows=rows)
+            def head(
+                r: int,
+                h: Array,
+                drafts: Array,
+                wants: Array,
+                sp: SamplingArrays,
+                t: Array,
+                *probs: Array,
+            ) -> tuple[Array, Array]:
+                sp_r = jax.tree.map(lambda a: a[:r], sp)
+                logits = model.logits(h[:r], weights.head)
+                q = probs[0][:r] if probs else None
+                return accept(logits, drafts[:r], q, wants[:r], sp_r, t[:r])
 
-                def head(
-                    r: int,
-                    h: Array,
-                    drafts: Array,
-                    wants: Array,
-                    sp: SamplingArrays,
-                    t: Array,
-                    *probs: Array,
-                ) -> tuple[Array, Array]:
-                    sp_r = jax.tree.map(lambda a: a[:r], sp)
-                    logits = model.logits(h[:r], weights.head)
-                    q = probs[0][:r] if probs else None
-                    return accept(logits, drafts[:r], q, wants[:r], sp_r, t[:r])
+            extra = () if probs is None else (probs,)
+            tokens, nacc = rows.run(head, h, drafts, c.wants, sp, st.generated, *extra)
+            emitted = emission(tokens, nacc, active, room(c), sp)
+            if saved is not None:  # roll back what the verify wrote past the kept tokens
+                i = jnp.arange(1, k + 1)[None, :]
+                back = jnp.where(
+                    active[:, None] & (i >= emitted[:, None]), positions[:, 1:], NO_SLOT
+                )
+                new = model.write_pages(new, tuple(saved[0]), tuple(saved[1]), back)
+            return advance(c, Step(tokens, fed, nacc, emitted, new, dnew))
 
-                extra = () if probs is None else (probs,)
-                tokens, nacc = rows.run(head, h, drafts, wants, sp, st.generated, *extra)
-                emitted = emission(tokens, nacc, active, room, sp)
-                if saved is not None:  # roll back what the verify wrote past the kept tokens
-                    i = jnp.arange(1, k + 1)[None, :]
-                    back = jnp.where(
-                        active[:, None] & (i >= emitted[:, None]), positions[:, 1:], NO_SLOT
-                    )
-                    new = model.write_pages(new, tuple(saved[0]), tuple(saved[1]), back)
-                return Step(tokens, fed, nacc, emitted, new, dnew)
-
-            def plain() -> Step:
-                pos = jnp.minimum(st.pos, max_len - 1)
-                h, new = model.decode(st.tokens, pos, tview, rows=rows)
-
-                def head(r: int, h: Array, sp: SamplingArrays, t: Array) -> tuple[Array]:
-                    logits = model.logits(h[:r], weights.head)
-                    return (sample(logits, jax.tree.map(lambda a: a[:r], sp), t[:r]),)
-
-                (tok,) = rows.run(head, h, sp, st.generated)
-                tokens = jnp.broadcast_to(tok[:, None], (b, k + 1))
-                fed = jnp.concatenate([st.tokens[:, None], jnp.zeros((b, k), jnp.int32)], axis=1)
-                nacc = jnp.zeros((b,), jnp.int32)
-                emitted = emission(tokens, nacc, active, room, sp)
-                return Step(tokens, fed, nacc, emitted, new, dview)
-
-            out = jax.lax.cond(jnp.any(wants), verify, plain)
+        def advance(c: Carry, out: Step) -> Carry:
+            """The rows after a step: emitted tokens out, state, token history, counters."""
+            st, sp = c.rows, c.rows.sampling
+            active = ~frozen(c)
             e = out.emitted
             i = jnp.arange(k + 1)[None, :]
+            keep = i < e[:, None]
             last = jnp.take_along_axis(out.tokens, jnp.maximum(e - 1, 0)[:, None], axis=1)[:, 0]
             generated = st.generated + e
-            hit = jnp.any(
-                jnp.any(out.tokens[:, :, None] == sp.stop[:, None, :], axis=-1) & (i < e[:, None]),
-                axis=1,
-            )
+            stop = jnp.any(out.tokens[:, :, None] == sp.stop[:, None, :], axis=-1)
+            hit = jnp.any(stop & keep, axis=1)
             rows_next = dataclasses.replace(
                 st,
                 tokens=jnp.where(active, last, st.tokens),
@@ -330,44 +355,54 @@ def make_spec_generate(
                 done=st.done | (active & (hit | (generated >= sp.max_new))),
             )
             batch = jnp.arange(b)[:, None]
-            keep = i < e[:, None]
             hist = c.history.at[batch, jnp.where(keep, st.pos[:, None] + i, s_hist)].set(
                 out.fed, mode="drop"
             )
-            emitted_at = jnp.where(keep, c.count[:, None] + i, n)
-            buf = c.out.at[emitted_at, batch].set(out.tokens, mode="drop")
-            drafted = c.drafted + jnp.where(wants, k, 0)
-            accepted = c.accepted + jnp.where(wants, out.accepted, 0)
+            buf = c.out.at[jnp.where(keep, c.count[:, None] + i, n), batch].set(
+                out.tokens, mode="drop"
+            )
+            drafted = c.drafted + jnp.where(c.wants, k, 0)
+            accepted = c.accepted + jnp.where(c.wants, out.accepted, 0)
             low = accepted.astype(jnp.float32) < spec.min_acceptance * drafted
             on = c.on & ~((drafted >= spec.probe_tokens) & low)
-            return Carry(
-                rows_next,
-                with_table(out.cache, table),
-                with_table(out.draft, table),
-                hist,
-                drafted,
-                accepted,
-                on,
-                c.count + e,
-                buf,
+            nxt = dataclasses.replace(
+                c,
+                rows=rows_next,
+                cache=with_table(out.cache, table),
+                draft=with_table(out.draft, table),
+                history=hist,
+                drafted=drafted,
+                accepted=accepted,
+                on=on,
+                count=c.count + e,
+                out=buf,
             )
+            return proposed(nxt)
 
         def more(c: Carry) -> Array:
-            return jnp.any(~c.rows.done & (c.count < n))
+            return jnp.any(~frozen(c))
+
+        def plain_steps(c: Carry) -> Carry:
+            return jax.lax.while_loop(lambda c: more(c) & ~jnp.any(c.wants), plain, c)
+
+        def verify_steps(c: Carry) -> Carry:
+            return jax.lax.while_loop(lambda c: more(c) & jnp.any(c.wants), verify, c)
 
         rows0 = dataclasses.replace(st, cache=Pages((), table))
         carry = Carry(
-            rows0,
-            cache,
-            dcache,
-            history,
-            state.drafted,
-            state.accepted,
-            state.on,
-            jnp.zeros((b,), jnp.int32),
-            jnp.full((n, b), NO_TOKEN, jnp.int32),
+            rows=rows0,
+            cache=cache,
+            draft=dcache,
+            history=history,
+            drafted=state.drafted,
+            accepted=state.accepted,
+            on=state.on,
+            count=jnp.zeros((b,), jnp.int32),
+            out=jnp.full((n, b), NO_TOKEN, jnp.int32),
+            drafts=jnp.zeros((b, k), jnp.int32),
+            wants=jnp.zeros((b,), jnp.bool_),
         )
-        carry = jax.lax.while_loop(more, step, carry)
+        carry = jax.lax.while_loop(more, lambda c: verify_steps(plain_steps(c)), proposed(carry))
         end = carry.rows.pos
         if staged:
             pages = model.write_pages(st.cache, *model.staged_writes(carry.cache, start, end, n))
