@@ -86,6 +86,7 @@ def same_as_plain(spec: SpeculativeEngine, prompts: list[list[int]], new: int = 
 # ------------------------------------------------------------------------ greedy: identical
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(st.lists(st.integers(0, VOCAB - 1), min_size=17, max_size=32))
 def test_greedy_output_is_plain_greedy_token_for_token(prompt):
@@ -99,6 +100,7 @@ def test_greedy_output_is_plain_greedy_token_for_token(prompt):
     assert rnd.draft_tokens > rnd.accepted_tokens, rnd
 
 
+@pytest.mark.slow
 def test_greedy_output_is_identical_when_reading_pages_every_step():
     same_as_plain(SpeculativeEngine(unstaged_target(), ngram()), [REPETITIVE, RANDOM, [7] * 17])
 
@@ -124,6 +126,7 @@ def test_the_loop_compiles_once_whatever_the_requests():
     assert before["spec_generate"] == 1
 
 
+@pytest.mark.slow
 def test_a_request_whose_drafts_are_rarely_accepted_stops_speculating():
     """With a bar no request clears, every request that drafted ``probe_tokens`` tokens stops
     drafting (and says so); its tokens are still plain greedy's."""
@@ -146,6 +149,7 @@ def other_model() -> Engine:
     return make_engine(CFG, seed=5)
 
 
+@pytest.mark.slow
 def test_a_draft_model_drafts_and_greedy_output_is_unchanged():
     """The target drafting for itself: every draft is accepted; another model: some are."""
     for draft, all_kept in ((target(), True), (other_model(), False)):
@@ -236,6 +240,7 @@ def sampled_tokens(dev: Engine | SpeculativeEngine) -> tuple[np.ndarray, int, in
     return np.asarray(out), drafted, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
 def test_sampled_tokens_follow_the_model_distribution(method):
     """Each of the first four tokens' marginal, against the chain's exact marginal
@@ -320,6 +325,7 @@ def row_contents(state_cache: Pages) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "pages-every-step"])
 def test_after_speculation_the_caches_equal_plain_decodings(staged):
     """Same requests, pages grown the same way, calls of 8 tokens: the same tokens and rows'
