@@ -340,14 +340,14 @@ class SpeculativeConfig(Section):
             " n tokens); 'draft': a small model of the same tokenizer (draft_run_dir)."
         ),
     )
-    k: int = Field(default=4, ge=1, le=16, description="Tokens drafted per verify pass.")
-    ngram_max: int = Field(default=3, ge=1, le=16, description="Longest suffix n-gram looked up.")
+    k: int = Field(default=6, ge=1, le=16, description="Tokens drafted per verify pass.")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="Longest suffix n-gram looked up.")
     ngram_min: int = Field(default=2, ge=1, le=16, description="Shortest suffix n-gram looked up.")
     draft_run_dir: str | None = Field(
         default=None, description="The draft model's run directory (method 'draft')."
     )
     min_acceptance: float = Field(
-        default=0.25,
+        default=0.3,
         ge=0.0,
         le=1.0,
         description=(
@@ -356,7 +356,7 @@ class SpeculativeConfig(Section):
         ),
     )
     probe_tokens: int = Field(
-        default=32, ge=1, description="Drafted tokens before min_acceptance is applied."
+        default=36, ge=1, description="Drafted tokens before min_acceptance is applied."
     )
 
     @model_validator(mode="after")

@@ -52,7 +52,7 @@ def test_a_speculating_server_answers_plain_greedy_and_reports_its_drafts(server
     from jaxlab.infer.sampling import SamplingParams
 
     info = httpx.get(server.url + "/ready").json()
-    assert info["speculative"] == {"method": "ngram", "k": 4, "draft_run_dir": None}
+    assert info["speculative"] == {"method": "ngram", "k": 6, "draft_run_dir": None}
     before = metrics(server.url)
 
     async def send_all() -> list[httpx.Response]:

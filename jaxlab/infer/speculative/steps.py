@@ -56,9 +56,9 @@ class SpecParams:
     k: int
     method: str  # "ngram" or "draft"
     ngram_min: int = 2
-    ngram_max: int = 3
-    min_acceptance: float = 0.25
-    probe_tokens: int = 32
+    ngram_max: int = 4
+    min_acceptance: float = 0.3
+    probe_tokens: int = 36
 
 
 # --------------------------------------------------------------------------- token pages
