@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxlab.bench import speculative
 from jaxlab.bench.context import BenchContext
 from jaxlab.bench.record import Record
+from jaxlab.bench.speculative import speculative_cases
 from jaxlab.bench.suites import suite
 from jaxlab.config import JaxlabConfig
 
@@ -129,6 +131,7 @@ def decode_bytes(
     "decode",
     needs_peak=True,
     new_shapes=True,
+    check=speculative.check,
     description="decode latency and tokens/s vs batch size; batch 1 with speculative decoding",
 )
 def decode_suite(ctx: BenchContext) -> Iterator[Record]:
@@ -156,8 +159,6 @@ def decode_suite(ctx: BenchContext) -> Iterator[Record]:
                 update={"derived": {**rec.derived, "step_vs_batch1": step / first_step}}
             )
         yield rec
-    from jaxlab.bench.speculative import speculative_cases
-
     yield from speculative_cases(ctx, engine)  # batch 1, with and without speculation
 
 

@@ -1,5 +1,6 @@
-"""Speculative decoding's cases of the ``decode`` suite: batch-1 greedy generation with and
-without speculation, same model, same prompts, calls alternating.
+"""Speculative decoding's cases, the ``decode`` suite's last ones (and alone, the
+``speculative`` suite): batch-1 greedy generation with and without speculation, same model,
+same prompts, calls alternating.
 
 Two workloads (``docs/speculative.md`` says why these two):
 
@@ -21,11 +22,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from jaxlab.bench.context import BenchContext
 from jaxlab.bench.record import Record
 from jaxlab.bench.stats import median
+from jaxlab.bench.suites import suite
+from jaxlab.config import ConfigError, JaxlabConfig
 
 #: Prompts per workload (each sample generates all of them).
 PROMPTS = 4
@@ -206,4 +210,30 @@ def _pair(
     )
 
 
-__all__ = ["PROMPTS", "code_prompts", "random_prompts", "speculative_cases"]
+def check(cfg: JaxlabConfig) -> None:
+    """The run directories the cases load exist (before jax starts: a usage error, exit 2)."""
+    b = cfg.bench
+    for name, path in (
+        ("bench.speculative_run_dir", b.speculative_run_dir),
+        ("bench.speculative_draft_run_dir", b.speculative_draft_run_dir),
+    ):
+        if path is not None and not (Path(path) / "checkpoints").is_dir():
+            raise ConfigError(
+                [f"{name} = {path!r} is not a run directory with checkpoints (jaxlab train)"]
+            )
+
+
+@suite(
+    "speculative",
+    default=False,
+    new_shapes=True,
+    check=check,
+    description="batch 1 with and without speculative decoding (the decode suite's last cases)",
+)
+def speculative_suite(ctx: BenchContext) -> Iterator[Record]:
+    from jaxlab.infer.engine import Engine
+
+    yield from speculative_cases(ctx, Engine.from_config(ctx.config, seed=0))
+
+
+__all__ = ["PROMPTS", "check", "code_prompts", "random_prompts", "speculative_cases"]
