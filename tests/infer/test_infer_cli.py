@@ -188,3 +188,24 @@ def test_a_draft_of_another_tokenizer_is_refused_naming_both():
     assert "model.vocab_size = 512" in (draft_problem("runs/d", cfg, byte, other, byte) or "")
     short = cfg.model_copy(update={"model": ModelConfig(vocab_size=300, max_seq_len=32)})
     assert "max_seq_len = 32" in (draft_problem("runs/d", cfg, byte, short, byte) or "")
+
+
+def test_a_draft_run_is_checked_before_loading(tmp_path):
+    """What a command checks before jax starts: a run directory, and its saved tokenizer's
+    hash against the target's."""
+    import json
+
+    from jaxlab.infer.speculative.draft import draft_dir_problem
+
+    def fake_run(name: str, sha: str):
+        d = tmp_path / name
+        (d / "checkpoints").mkdir(parents=True)
+        (d / "tokenizer").mkdir()
+        (d / "tokenizer" / "tokenizer.json").write_text(json.dumps({"sha256": sha}))
+        return d
+
+    target, same, other = fake_run("t", "a" * 64), fake_run("s", "a" * 64), fake_run("o", "b" * 64)
+    assert draft_dir_problem(target, same) is None
+    problem = draft_dir_problem(target, other) or ""
+    assert "bbbbbbbbbbbb" in problem and "aaaaaaaaaaaa" in problem and "tokenizer.path" in problem
+    assert "not a run directory" in (draft_dir_problem(target, tmp_path / "none") or "")

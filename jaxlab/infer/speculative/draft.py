@@ -55,6 +55,36 @@ def draft_problem(
     return None
 
 
+def _tokenizer_sha(run_dir: Path) -> str | None:
+    import json
+
+    meta = run_dir / "tokenizer" / "tokenizer.json"
+    try:
+        return str(json.loads(meta.read_text())["sha256"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def draft_dir_problem(target_run_dir: str | Path, draft_run_dir: str | Path) -> str | None:
+    """The checks a command can make before loading anything (no jax): the draft is a run
+    directory with checkpoints, and its saved tokenizer hashes like the target's (when
+    both runs saved theirs beside the checkpoints). None when nothing is wrong so far."""
+    draft = Path(draft_run_dir)
+    if not (draft / "checkpoints").is_dir():
+        return (
+            f"inference.speculative.draft_run_dir = {str(draft_run_dir)!r} is not a run"
+            " directory with checkpoints (jaxlab train)"
+        )
+    mine, theirs = _tokenizer_sha(Path(target_run_dir)), _tokenizer_sha(draft)
+    if mine is not None and theirs is not None and mine != theirs:
+        return (
+            f"draft run {draft_run_dir}: its tokenizer (sha256 {theirs[:12]}...) is not the"
+            f" target's (sha256 {mine[:12]}...); a draft model must share the target's"
+            " tokenizer: train it with tokenizer.path set to the target run's tokenizer/"
+        )
+    return None
+
+
 def load_draft(
     run_dir: str | Path, target: Engine, target_tokenizer: Tokenizer, step: int | None = None
 ) -> Engine:
@@ -76,4 +106,4 @@ def load_draft(
     return Engine(run.graphdef, run.params, JaxlabConfig.model_validate(data))
 
 
-__all__ = ["DraftMismatch", "draft_problem", "load_draft"]
+__all__ = ["DraftMismatch", "draft_dir_problem", "draft_problem", "load_draft"]
