@@ -88,7 +88,7 @@ class SpeculativeEngine:
         self.target = engine
         self.draft = draft
         self.spec = spec
-        self.params_ = spec_params(spec)
+        self.spec_params = spec_params(spec)
         dgraph = None if draft is None else draft.graphdef
         self._prefill = {
             from_start: engine.track(
@@ -276,7 +276,7 @@ class SpeculativeEngine:
             step = make_spec_generate(
                 self.target.graphdef,
                 None if self.draft is None else self.draft.graphdef,
-                self.params_,
+                self.spec_params,
                 n,
                 buckets=tuning.row_buckets,
                 staged=tuning.staged_pages,
