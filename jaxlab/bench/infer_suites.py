@@ -132,7 +132,8 @@ def decode_bytes(
     needs_peak=True,
     new_shapes=True,
     check=speculative.check,
-    description="decode latency and tokens/s vs batch size; batch 1 with speculative decoding",
+    description="decode latency and tokens/s vs batch size (and speculative decoding's cases,"
+    " given bench.speculative_run_dir)",
 )
 def decode_suite(ctx: BenchContext) -> Iterator[Record]:
     import jax
@@ -159,7 +160,8 @@ def decode_suite(ctx: BenchContext) -> Iterator[Record]:
                 update={"derived": {**rec.derived, "step_vs_batch1": step / first_step}}
             )
         yield rec
-    yield from speculative_cases(ctx, engine)  # batch 1, with and without speculation
+    if cfg.bench.speculative_run_dir is not None:  # else: the speculative suite, on request
+        yield from speculative_cases(ctx, engine)
 
 
 @suite(

@@ -1,6 +1,6 @@
-"""Speculative decoding's cases, the ``decode`` suite's last ones (and alone, the
-``speculative`` suite): batch-1 greedy generation with and without speculation, same model,
-same prompts, calls alternating.
+"""Speculative decoding's cases: the ``speculative`` suite, and the ``decode`` suite's last
+cases when ``bench.speculative_run_dir`` names a trained run. Batch-1 greedy generation
+with and without speculation, same model, same prompts, calls alternating.
 
 Two workloads (``docs/speculative.md`` says why these two):
 
