@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxlab.bench import speculative
 from jaxlab.bench.context import BenchContext
 from jaxlab.bench.record import Record
+from jaxlab.bench.speculative import speculative_cases
 from jaxlab.bench.suites import suite
 from jaxlab.config import JaxlabConfig
 
@@ -145,7 +147,9 @@ def decode_bytes(
     "decode",
     needs_peak=True,
     new_shapes=True,
-    description="decode latency and tokens/s vs batch size",
+    check=speculative.check,
+    description="decode latency and tokens/s vs batch size (and speculative decoding's cases,"
+    " given bench.speculative_run_dir)",
 )
 def decode_suite(ctx: BenchContext) -> Iterator[Record]:
     import jax
@@ -172,6 +176,8 @@ def decode_suite(ctx: BenchContext) -> Iterator[Record]:
                 update={"derived": {**rec.derived, "step_vs_batch1": step / first_step}}
             )
         yield rec
+    if cfg.bench.speculative_run_dir is not None:  # else: the speculative suite, on request
+        yield from speculative_cases(ctx, engine)
 
 
 @suite(

@@ -49,6 +49,21 @@ def _check_sampling(given: dict[str, Any]) -> None:
         raise UsageProblem(f"--{field.replace('_', '-')}: {message}")
 
 
+def _speculative_choice(value: str | None) -> tuple[str, str | None] | None:
+    """``--speculative`` as ``(method, draft run dir)``; None when not given."""
+    if value is None:
+        return None
+    if value in ("off", "ngram"):
+        return value, None
+    method, sep, run = value.partition(":")
+    if method == "draft" and sep and run:
+        return "draft", run
+    raise UsageProblem(
+        f"--speculative {value!r}: expected 'ngram' (prompt lookup), 'draft:RUN_DIR' (a draft"
+        " model trained with the same tokenizer) or 'off'"
+    )
+
+
 def _quiet_libraries() -> None:
     import logging
 
@@ -98,10 +113,20 @@ def register(app: typer.Typer) -> None:
                 "--stream", help="Print text as it is generated (inference.stream_chunk_tokens)."
             ),
         ] = False,
+        speculative: Annotated[
+            str | None,
+            typer.Option(
+                "--speculative",
+                help="Speculative decoding: 'ngram' (prompt lookup), 'draft:RUN_DIR' (a draft"
+                " model of the same tokenizer) or 'off'; default inference.speculative.method."
+                " The output is the same (greedy) or follows the same distribution (sampled).",
+            ),
+        ] = None,
         json_: JsonOpt = False,
     ) -> None:
         """Generate text from a checkpoint (KV-cached, decode loop inside jit)."""
         text_prompt = _read_prompt(prompt, prompt_file)
+        spec_choice = _speculative_choice(speculative)
         sampled = {
             "max_new_tokens": max_new_tokens,
             "temperature": temperature,
@@ -134,6 +159,18 @@ def register(app: typer.Typer) -> None:
         if run.note is not None:
             console.print(run.note, markup=False, soft_wrap=True)
         engine = Engine(run.graphdef, run.params, run.cfg)
+        spec_cfg = run.cfg.inference.speculative
+        if spec_choice is not None:
+            method, draft_dir = spec_choice
+            spec_cfg = spec_cfg.model_copy(update={"method": method, "draft_run_dir": draft_dir})
+        if spec_cfg.method != "off" and not kv_cache:
+            raise UsageProblem("--no-kv-cache runs the cache-free baseline, which cannot speculate")
+        from jaxlab.infer.speculative import DraftMismatch, with_speculation
+
+        try:
+            device = with_speculation(engine, spec_cfg, run.tokenizer)
+        except (DraftMismatch, FileNotFoundError, CheckpointNotFound) as e:
+            raise UsageProblem(f"--speculative: {e}") from None
         sampling = SamplingParams.from_config(run.cfg.inference, **sampled)
         try:
             limits = engine.limits(run.tokenizer.eot_id)
@@ -144,7 +181,7 @@ def register(app: typer.Typer) -> None:
         if stream:
             out = sys.stderr if json_ else sys.stdout
             detok = Detokenizer(run.tokenizer)
-            st = offline.stream(engine, [request], kv_cache=kv_cache, tokenizer=run.tokenizer)
+            st = offline.stream(device, [request], kv_cache=kv_cache, tokenizer=run.tokenizer)
             for new in st:
                 piece = "".join(detok.feed(t) for t in new[0])
                 if piece:
@@ -155,7 +192,7 @@ def register(app: typer.Typer) -> None:
             gen = st.generation
             assert gen is not None
         else:
-            gen = offline.generate(engine, [request], kv_cache=kv_cache, tokenizer=run.tokenizer)
+            gen = offline.generate(device, [request], kv_cache=kv_cache, tokenizer=run.tokenizer)
         res = gen[0]
         doc: dict[str, Any] = {
             "text": res.text,
@@ -172,6 +209,7 @@ def register(app: typer.Typer) -> None:
             "compile_cache_hits": engine.compile_cache_hits,
             "bucket": gen.bucket,
             "kv_cache": kv_cache,
+            "speculative": None if res.speculative is None else res.speculative.doc(),
             "stream": stream,
             "checkpoint_step": run.step,
             "skipped_checkpoints": [{"step": k.step, "reason": k.reason} for k in run.skipped],
@@ -185,6 +223,10 @@ def register(app: typer.Typer) -> None:
             sys.stdout.write((res.text or "") + "\n")
             sys.stdout.flush()
         bucket = f", bucket {gen.bucket}" if gen.bucket is not None else ", no kv cache"
+        if res.speculative is not None:
+            u = res.speculative
+            off = ", then switched off (too few accepted)" if u.switched_off else ""
+            bucket += f", {u.method}: {u.accepted_tokens}/{u.draft_tokens} drafts accepted{off}"
         console.print(
             f"{res.generated_tokens} tokens ({res.finish_reason}) from a {res.prompt_tokens}-token "
             f"prompt: ttft {gen.ttft_s * 1e3:.1f} ms, {gen.tokens_per_s:,.0f} tok/s, "

@@ -125,6 +125,13 @@ def register(app: typer.Typer) -> None:
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         _check_step(run_dir, step)
         cfg = serve_config(run_dir, set_ or [], host=host, port=port, slots=slots)
+        spec = cfg.inference.speculative
+        if spec.method == "draft" and spec.draft_run_dir is not None:
+            from jaxlab.infer.speculative.draft import draft_dir_problem
+
+            problem = draft_dir_problem(run_dir, spec.draft_run_dir)
+            if problem is not None:
+                raise UsageProblem(problem)
 
         from jaxlab.runtime import configure_runtime
 

@@ -29,6 +29,7 @@ from jaxlab.config.schema import (
     RuntimeConfig,
     ScheduleConfig,
     ServeConfig,
+    SpeculativeConfig,
     TokenizerConfig,
     TrainConfig,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "RuntimeConfig",
     "ScheduleConfig",
     "ServeConfig",
+    "SpeculativeConfig",
     "TokenizerConfig",
     "TrainConfig",
     "config_hash",

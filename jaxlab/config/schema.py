@@ -328,6 +328,52 @@ class ParallelConfig(Section):
         return self
 
 
+class SpeculativeConfig(Section):
+    """Speculative decoding (``docs/speculative.md``): a proposer drafts ``k`` tokens per row
+    and the model verifies them in one forward pass over ``k + 1`` positions; the output
+    follows the model's own distribution exactly (greedy: the same tokens)."""
+
+    method: Literal["off", "ngram", "draft"] = Field(
+        default="off",
+        description=(
+            "'ngram': prompt lookup (the continuation of the latest earlier match of the last"
+            " n tokens); 'draft': a small model of the same tokenizer (draft_run_dir)."
+        ),
+    )
+    k: int = Field(default=6, ge=1, le=16, description="Tokens drafted per verify pass.")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="Longest suffix n-gram looked up.")
+    ngram_min: int = Field(default=2, ge=1, le=16, description="Shortest suffix n-gram looked up.")
+    draft_run_dir: str | None = Field(
+        default=None, description="The draft model's run directory (method 'draft')."
+    )
+    min_acceptance: float = Field(
+        default=0.3,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "A request stops speculating once, after probe_tokens drafted tokens, fewer than"
+            " this share of its drafted tokens were accepted (it decodes plainly from then on)."
+        ),
+    )
+    probe_tokens: int = Field(
+        default=36, ge=1, description="Drafted tokens before min_acceptance is applied."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"inference.speculative.ngram_min = {self.ngram_min} exceeds ngram_max ="
+                f" {self.ngram_max}; set ngram_min <= ngram_max"
+            )
+        if self.method == "draft" and not self.draft_run_dir:
+            raise ValueError(
+                "inference.speculative.method = 'draft' needs inference.speculative.draft_run_dir"
+                " (a jaxlab run directory with the same tokenizer)"
+            )
+        return self
+
+
 class InferenceConfig(Section):
     max_len: int | None = Field(
         default=None, ge=2, description="KV-cache capacity in tokens; default model.max_seq_len."
@@ -344,6 +390,7 @@ class InferenceConfig(Section):
     stream_chunk_tokens: int = Field(
         default=8, ge=1, description="Tokens decoded per host round trip."
     )
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     page_size: int = Field(default=16, ge=1, le=4096, description="Tokens per KV-cache page.")
     num_pages: int | None = Field(
         default=None,
@@ -470,6 +517,22 @@ class BenchConfig(Section):
             " (its sweep and Poisson cases; no slot comparison): http(s)://HOST:PORT[/prefix],"
             " or unix:PATH for one on a unix socket (`jaxlab serve --uds PATH`)."
             " `jaxlab bench serve --url`."
+        ),
+    )
+    speculative_run_dir: str | None = Field(
+        default=None,
+        description=(
+            "A trained run (e.g. `jaxlab train --config bench-small`, which trains on the"
+            " stdlib corpus) for the 'decode' suite's speculative cases: code completion"
+            " needs a model that has learnt code. Unset: those cases run the suite's"
+            " random-init model on random prompts only."
+        ),
+    )
+    speculative_draft_run_dir: str | None = Field(
+        default=None,
+        description=(
+            "A draft run of speculative_run_dir's tokenizer: the speculative cases then also"
+            " measure the 'draft' method."
         ),
     )
     train_variants: list[str] | None = Field(

@@ -407,17 +407,23 @@ class Engine:
         its page-table row included; ``-1`` skips a row (a request that finished in
         prefill), and so does every chunk that is not its prompt's ``last``. Slots must be
         distinct."""
+        return self._insert(prefix.state, state, put(self.insert_rows(prefix, state.slots, slots)))
+
+    @staticmethod
+    def insert_rows(prefix: Prefill, n_slots: int, slots: Sequence[int]) -> np.ndarray:
+        """The slot of each prefix row (``-1``: skipped), checked: what :meth:`insert`
+        scatters by."""
         if len(slots) != len(prefix.last):
             raise ValueError(f"{len(slots)} slots for a prefill of {len(prefix.last)} chunks")
         chosen = [s for s, last in zip(slots, prefix.last, strict=True) if last and s >= 0]
         if len(set(chosen)) != len(chosen):
             raise ValueError(f"slots must be distinct, got {list(slots)}")
-        bad = [s for s in chosen if s >= state.slots]
+        bad = [s for s in chosen if s >= n_slots]
         if bad:
-            raise IndexError(f"slot {bad[0]} out of range for {state.slots} slots")
+            raise IndexError(f"slot {bad[0]} out of range for {n_slots} slots")
         rows = [s if last else -1 for s, last in zip(slots, prefix.last, strict=True)]
         rows += [-1] * (prefix.state.slots - len(rows))  # padding rows
-        return self._insert(prefix.state, state, put(np.asarray(rows, np.int32)))
+        return np.asarray(rows, np.int32)
 
     def generate(
         self, state: DecodeState, k: int | None = None, *, params: nnx.State | None = None

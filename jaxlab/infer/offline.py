@@ -34,6 +34,8 @@ from jaxlab.infer.engine import Engine
 from jaxlab.infer.naive import NaiveEngine
 from jaxlab.infer.pages import PagePool, default_num_pages
 from jaxlab.infer.request import BadRequest, Request
+from jaxlab.infer.speculative.engine import SpeculativeEngine
+from jaxlab.infer.speculative.state import SpecUsage
 from jaxlab.infer.steps import NO_TOKEN
 from jaxlab.tokenizer import Tokenizer
 
@@ -48,6 +50,7 @@ class Result:
     text: str | None
     prompt_tokens: int
     finish_reason: FinishReason
+    speculative: SpecUsage | None = None  # with a SpeculativeEngine
 
     @property
     def generated_tokens(self) -> int:
@@ -74,6 +77,14 @@ class Generation(Sequence[Result]):
     kv_cache: bool
     sampled_tokens: int = 0  # including stop tokens: the work the device did
 
+    @property
+    def draft_tokens(self) -> int:
+        return sum(r.speculative.draft_tokens for r in self.results if r.speculative)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(r.speculative.accepted_tokens for r in self.results if r.speculative)
+
     def __len__(self) -> int:
         return len(self.results)
 
@@ -98,6 +109,9 @@ class _Row:
     stops: frozenset[int]
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    drafted: int = 0
+    accepted: int = 0
+    speculating: bool = True
 
 
 class Stream:
@@ -107,7 +121,7 @@ class Stream:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | SpeculativeEngine,
         requests: Sequence[Request],
         *,
         kv_cache: bool = True,
@@ -118,7 +132,9 @@ class Stream:
             raise BadRequest("no requests")
         self.t_call = time.perf_counter()
         self.engine = engine
-        self.device: Engine | NaiveEngine = engine if kv_cache else engine.naive()
+        self.device: Engine | SpeculativeEngine | NaiveEngine = (
+            engine if kv_cache else engine.naive()
+        )
         self.requests = list(requests)
         self.kv_cache = kv_cache
         self.chunk_tokens = chunk_tokens or engine.cfg.inference.stream_chunk_tokens
@@ -144,6 +160,12 @@ class Stream:
                 fresh = fresh[:-1]
             new.append(fresh)
         return new
+
+    def _count(self, stats: Any) -> None:
+        for b, row in enumerate(self.rows):
+            row.drafted += int(stats.drafted[b])
+            row.accepted += int(stats.accepted[b])
+            row.speculating = bool(stats.on[b])
 
     def _chunks(self) -> tuple[int, list[Chunk]]:
         """The batch's pool size, and each request as one whole-prompt chunk over the pages
@@ -178,8 +200,10 @@ class Stream:
         while not all(r.done for r in self.rows):
             c0 = eng.compile_seconds
             t2 = time.perf_counter()
-            state, out, done = dev.generate(state, self.chunk_tokens)
-            out, done = jax.device_get((out, done))
+            state, out, done, *stats = dev.generate(state, self.chunk_tokens)
+            out, done, stats = jax.device_get((out, done, stats))
+            for s in stats:  # a speculating engine's per-row counts of the call
+                self._count(s)
             dc = eng.compile_seconds - c0
             compile_s += dc
             decode_s += time.perf_counter() - t2 - dc
@@ -190,7 +214,11 @@ class Stream:
             stopped = bool(row.tokens) and row.tokens[-1] in row.stops
             toks = row.tokens[:-1] if stopped else list(row.tokens)
             text = self.tokenizer.decode(toks) if self.tokenizer is not None else None
-            results.append(Result(toks, text, len(req.prompt_ids), "stop" if stopped else "length"))
+            spec = None
+            if isinstance(dev, SpeculativeEngine):
+                spec = SpecUsage(dev.method, row.drafted, row.accepted, not row.speculating)
+            reason: FinishReason = "stop" if stopped else "length"
+            results.append(Result(toks, text, len(req.prompt_ids), reason, spec))
         self.generation = Generation(
             results=results,
             ttft_s=ttft_s,
@@ -205,7 +233,7 @@ class Stream:
 
 
 def stream(
-    engine: Engine,
+    engine: Engine | SpeculativeEngine,
     requests: Sequence[Request],
     *,
     kv_cache: bool = True,
@@ -219,7 +247,7 @@ def stream(
 
 
 def generate(
-    engine: Engine,
+    engine: Engine | SpeculativeEngine,
     requests: Sequence[Request],
     *,
     kv_cache: bool = True,

@@ -293,24 +293,34 @@ def inverse_cdf(logits: Array, u: Array) -> Array:
     return (blk * CDF_BLOCK + tok).astype(jnp.int32)
 
 
+def filtered(logits: Array, sp: SamplingArrays) -> Array:
+    """The logits a sampled row draws from: ``logits / temperature`` (greedy rows: / 1),
+    ``-inf`` outside the row's top-k/top-p; ``f32[B, V]``. Their softmax is the row's
+    sampling distribution (speculative acceptance compares against exactly this)."""
+    temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
+    scaled = logits.astype(jnp.float32) / temp
+
+    def masked() -> Array:
+        keep = top_k_top_p_mask(scaled, sp.top_k, sp.top_p)
+        return jnp.where(keep, scaled, -jnp.inf)
+
+    # The select behind top-k/top-p only runs when some row asks for it.
+    wants_filter = jnp.any(sp.top_k > 0) | jnp.any(sp.top_p < 1.0)
+    return jax.lax.cond(wants_filter, masked, lambda: scaled)
+
+
+def uniforms(sp: SamplingArrays, t: Array) -> Array:
+    """``f32[B]``: each row's uniform of token index ``t``, the one its draw uses."""
+    return jax.vmap(lambda key: jax.random.uniform(key, ()))(row_keys(sp.seed, t))
+
+
 def sample(logits: Array, sp: SamplingArrays, t: Array) -> Array:
     """Next token per row: ``int32[B]`` from ``logits: f32[B, V]`` and ``t: int32[B]``."""
     logits = logits.astype(jnp.float32)
     greedy = argmax(logits)
 
     def stochastic() -> Array:
-        temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
-        scaled = logits / temp
-
-        def filtered() -> Array:
-            keep = top_k_top_p_mask(scaled, sp.top_k, sp.top_p)
-            return jnp.where(keep, scaled, -jnp.inf)
-
-        # The sort behind top-k/top-p only runs when some row asks for it.
-        wants_filter = jnp.any(sp.top_k > 0) | jnp.any(sp.top_p < 1.0)
-        masked = jax.lax.cond(wants_filter, filtered, lambda: scaled)
-        u = jax.vmap(lambda key: jax.random.uniform(key, ()))(row_keys(sp.seed, t))
-        drawn = inverse_cdf(masked, u)
+        drawn = inverse_cdf(filtered(logits, sp), uniforms(sp, t))
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.all(sp.temperature <= 0), lambda: greedy, stochastic)

@@ -108,6 +108,10 @@ class PagedKernel(Protocol):
         """``k, v [B, T, K, D]`` at ``positions [B, T]`` (``>= NO_SLOT``: dropped)."""
         ...
 
+    def read_at(self, cache: Any, positions: Array) -> tuple[Array, Array]:
+        """``(k, v) [B, T, K, D]`` at ``positions [B, T]`` through each row's table."""
+        ...
+
     def attend_cache(self, q: Array, cache: Any, positions: Array) -> Array:
         """``q [B, T, H, D]`` at ``positions [B, T]`` over each row's pages."""
         ...

@@ -283,6 +283,21 @@ def take_rows(layer: PagedLayer, r: int) -> PagedLayer:
     return dataclasses.replace(layer, table=layer.table[:r])
 
 
+def read_at(layer: PagedLayer, positions: Array) -> tuple[Array, Array]:
+    """``(k, v) [B, T, K, D]`` at ``positions [B, T]`` through the table, what :func:`write_at`
+    would put back (a position without a page reads some real page's values: a caller
+    writing them back there has them dropped again)."""
+    n_kv, num_pages, ps, d = layer.k.shape
+    slots = token_slots(layer.table, positions, num_pages, ps)
+    slots = jnp.minimum(slots, num_pages * ps - 1)
+
+    def one(pool: Array) -> Array:
+        got = jnp.take(pool.reshape(n_kv, num_pages * ps, d), slots, axis=1)  # [K, B, T, D]
+        return got.transpose(1, 2, 0, 3)
+
+    return one(layer.k), one(layer.v)
+
+
 class PagedLayout:
     """The cache methods every paged kernel shares (pool, write, rows, inspection)."""
 
@@ -299,6 +314,9 @@ class PagedLayout:
 
     def take_rows(self, cache: PagedLayer, r: int) -> PagedLayer:
         return take_rows(cache, r)
+
+    def read_at(self, cache: PagedLayer, positions: Array) -> tuple[Array, Array]:
+        return read_at(cache, positions)
 
     def to_bskd(self, cache: PagedLayer) -> tuple[Array, Array]:
         return gather(cache)
@@ -330,6 +348,7 @@ __all__ = [
     "no_pages",
     "page_buckets",
     "present_slots",
+    "read_at",
     "take_rows",
     "token_slots",
     "visible_slots",

@@ -219,8 +219,10 @@ class ServeApp:
         model = self.service.model
         assert model is not None
         eng = model.engine
+        extra = {} if h.speculation is None else {"speculative": h.speculation}
         return JSONResponse(
             {
+                **extra,
                 "text": h.output_text,
                 "token_ids": h.token_ids,
                 "finish_reason": h.finish_reason,
@@ -258,7 +260,7 @@ class ServeApp:
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def usage(h: RequestStream) -> dict[str, Any]:
-            return usage_doc(len(req.prompt_ids), len(h.token_ids), h.cached_tokens)
+            return usage_doc(len(req.prompt_ids), len(h.token_ids), h.cached_tokens, h.speculation)
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
             return completion_doc(cid, created, self.service.model_name, text, finish)

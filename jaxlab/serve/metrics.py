@@ -145,6 +145,16 @@ class ServeMetrics:
             "Prompt tokens whose K/V came from the prefix cache instead of a prefill.",
             registry=r,
         )
+        self.spec_draft_tokens = Counter(
+            "jaxlab_spec_decode_draft_tokens",
+            "Tokens drafted by speculative decoding's proposer (inference.speculative).",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "jaxlab_spec_decode_accepted_tokens",
+            "Drafted tokens the model accepted (each saves a decode step).",
+            registry=r,
+        )
         self.slots = Gauge(
             "jaxlab_num_slots", "Decode slots (the batch of the KV cache).", registry=r
         )

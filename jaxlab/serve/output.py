@@ -83,6 +83,10 @@ class RequestStream:
         self.error: ServeError | None = None
         self.token_ids: list[int] = []
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        # Speculative decoding (None: the engine does not speculate).
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.speculating: bool | None = None
         self.t_arrival = time.perf_counter()
         self.t_admit: float | None = None
         self.t_first: float | None = None
@@ -149,6 +153,23 @@ class RequestStream:
         self.t_admit = time.perf_counter()
         self.metrics.queue_time.observe(self.t_admit - self.t_arrival)
         self.metrics.prompt_tokens.inc(len(self.request.prompt_ids))
+
+    def speculated(self, drafted: int, accepted: int, on: bool) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.speculating = on
+
+    @property
+    def speculation(self) -> dict[str, int | bool] | None:
+        """Drafted and accepted tokens, and whether speculation switched itself off for
+        this request (its acceptance was too low to pay); None without speculation."""
+        if self.speculating is None:
+            return None
+        return {
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "switched_off": not self.speculating,
+        }
 
     def emit(self, tokens: list[int], done: bool) -> bool:
         """Take this round's tokens; True when the request is finished (``done``, a stop

@@ -218,15 +218,31 @@ def completion_doc(
     }
 
 
-def usage_doc(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_doc(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    speculation: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V
-    came from the prefix cache."""
-    return {
+    came from the prefix cache. With speculative decoding (``speculation``, from
+    ``RequestStream.speculation``), also OpenAI's ``completion_tokens_details`` (drafted
+    tokens accepted and rejected) and jaxlab's ``speculative`` object, which says whether
+    speculation switched itself off for the request."""
+    doc: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if speculation is not None:
+        drafted, accepted = speculation["draft_tokens"], speculation["accepted_tokens"]
+        doc["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+        doc["speculative"] = speculation
+    return doc
 
 
 def models_doc(name: str) -> dict[str, Any]:

@@ -68,10 +68,11 @@ log = logging.getLogger("jaxlab.serve")
 
 @dataclass
 class _Chunk:
-    """A dispatched chunk: ``(group, tokens, done)`` per group that ran, on device, and the
-    slot owners at dispatch."""
+    """A dispatched chunk: ``(group, tokens, done, stats)`` per group that ran, on device
+    (``stats``: a speculating engine's per-row counts, or None), and the slot owners at
+    dispatch."""
 
-    ran: list[tuple[SlotGroup, Any, Any]]
+    ran: list[tuple[SlotGroup, Any, Any, Any]]
     owners: list[Entry | None]
 
 
@@ -542,15 +543,25 @@ class Scheduler:
         import jax
 
         try:
-            host = jax.device_get([(tokens, done) for _, tokens, done in chunk.ran])
+            host = jax.device_get([(tokens, done, stats) for _, tokens, done, stats in chunk.ran])
         except Exception as e:
             self._device_failed("decode", e)
             return
-        for (g, _, _), (tokens, done) in zip(chunk.ran, host, strict=True):
+        for (g, *_), (tokens, done, stats) in zip(chunk.ran, host, strict=True):
             for row, slot in enumerate(g.slots):
                 entry = chunk.owners[slot]
                 if entry is not None and not entry.finished and entry.slot == slot:
+                    if stats is not None:
+                        self._speculated(entry, stats, row)
                     self._emit(entry, [int(t) for t in tokens[:, row] if t >= 0], bool(done[row]))
+
+    def _speculated(self, entry: Entry, stats: Any, row: int) -> None:
+        """A speculating engine's counts for ``entry``'s row in one chunk: to the metrics and
+        to its output (before its tokens, so a finished request reports them)."""
+        drafted, accepted = int(stats.drafted[row]), int(stats.accepted[row])
+        self.metrics.spec_draft_tokens.inc(drafted)
+        self.metrics.spec_accepted_tokens.inc(accepted)
+        entry.output.speculated(drafted, accepted, bool(stats.on[row]))
 
     # ------------------------------------------------------------------ ends of a request
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from jaxlab.infer.engine import Engine
     from jaxlab.infer.request import Limits, Request
     from jaxlab.infer.sampling import SamplingParams
+    from jaxlab.infer.speculative import SpeculativeEngine
     from jaxlab.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxlab.serve")
@@ -46,10 +47,11 @@ log = logging.getLogger("jaxlab.serve")
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What a service serves: the engine, the tokenizer of its text, and the checkpoint
-    step it came from (None: not from a checkpoint)."""
+    """What a service serves: the engine (speculating when ``inference.speculative`` says
+    so), the tokenizer of its text, and the checkpoint step it came from (None: not from a
+    checkpoint)."""
 
-    engine: Engine
+    engine: Engine | SpeculativeEngine
     tokenizer: Tokenizer
     checkpoint_step: int | None = None
 
@@ -104,11 +106,14 @@ def run_dir_loader(
     def load() -> ServedModel:
         from jaxlab.infer.engine import Engine
         from jaxlab.infer.load import load_run
+        from jaxlab.infer.speculative import with_speculation
 
         run = load_run(run_dir, step, cfg=cfg)
         if run.note is not None and on_note is not None:
             on_note(run.note)
-        return ServedModel(Engine(run.graphdef, run.params, run.cfg), run.tokenizer, run.step)
+        engine = Engine(run.graphdef, run.params, run.cfg)
+        spec = with_speculation(engine, run.cfg.inference.speculative, run.tokenizer)
+        return ServedModel(spec, run.tokenizer, run.step)
 
     return load
 
@@ -156,15 +161,27 @@ class ModelService:
     @classmethod
     def from_engine(
         cls,
-        engine: Engine,
+        engine: Engine | SpeculativeEngine,
         tokenizer: Tokenizer,
         cfg: JaxlabConfig | None = None,
         *,
         checkpoint_step: int | None = None,
     ) -> ModelService:
-        """Serve an already built engine (its compiled executables are reused)."""
-        model = ServedModel(engine, tokenizer, checkpoint_step)
-        return cls(cfg or engine.cfg, lambda: model)
+        """Serve an already built engine (its compiled executables are reused); with
+        ``inference.speculative`` set in ``cfg``, speculating (the draft model, if any, is
+        loaded with the model)."""
+        cfg = cfg or engine.cfg
+        spec = cfg.inference.speculative
+
+        def load() -> ServedModel:
+            from jaxlab.infer.speculative import is_speculative, with_speculation
+
+            served = engine
+            if spec.method != "off" and not is_speculative(engine):
+                served = with_speculation(engine, spec, tokenizer)  # type: ignore[arg-type]
+            return ServedModel(served, tokenizer, checkpoint_step)
+
+        return cls(cfg, load)
 
     # ------------------------------------------------------------------ facts
 
@@ -177,7 +194,7 @@ class ModelService:
         return self.serve_cfg.model_name
 
     @property
-    def engine(self) -> Engine | None:
+    def engine(self) -> Engine | SpeculativeEngine | None:
         return self.model.engine if self.model is not None else None
 
     def info(self) -> dict[str, Any]:
@@ -196,8 +213,15 @@ class ModelService:
             "page_size": eng.page_size if eng is not None else None,
             "kv_pages": self.scheduler.num_pages if self.scheduler is not None else None,
             "prefix_caching": self.serve_cfg.prefix_caching,
+            "speculative": self._speculative(),
             "prefill_chunk_tokens": self.serve_cfg.prefill_chunk_tokens,
         }
+
+    def _speculative(self) -> dict[str, Any] | None:
+        spec = self.cfg.inference.speculative
+        if spec.method == "off":
+            return None
+        return {"method": spec.method, "k": spec.k, "draft_run_dir": spec.draft_run_dir}
 
     def _log_change(self, old: ModelState, new: ModelState) -> None:
         log.info("model state %s -> %s", old, new)

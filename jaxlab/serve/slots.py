@@ -44,9 +44,14 @@ class Engine(Protocol):
     """The engine's verbs and facts that serving uses: a
     :class:`jaxlab.infer.engine.Engine`, or the tests' fake (numpy, no compile)."""
 
-    max_len: int
-    page_size: int
-    buckets: tuple[int, ...]
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def buckets(self) -> tuple[int, ...]: ...
 
     @property
     def compiles(self) -> dict[str, int]: ...
@@ -61,7 +66,9 @@ class Engine(Protocol):
 
     def insert(self, prefix: Any, state: Any, slots: Sequence[int]) -> Any: ...
 
-    def generate(self, state: Any, k: int) -> tuple[Any, Any, Any]: ...
+    def generate(self, state: Any, k: int, /) -> tuple[Any, ...]:
+        """``(state, tokens, done)``, and a speculating engine's per-row ``stats``."""
+        ...
 
 
 def survived(state: Any) -> bool:
@@ -196,14 +203,15 @@ class SlotGroup:
         "every row done" exit still works."""
         self.insert(self._empty, [row])
 
-    def generate(self, k: int) -> tuple[Any, Any]:
+    def generate(self, k: int) -> tuple[Any, Any, Any]:
         """Send the page table if it changed, then dispatch up to ``k`` decode steps;
-        ``(tokens [k, rows], done [rows])`` on device."""
+        ``(tokens [k, rows], done [rows], stats)`` on device (``stats``: a speculating
+        engine's per-row drafted and accepted tokens, or None)."""
         state, self.state = self.state, None
         if self.table.dirty:
             state = self.call(self.engine.set_table, state, self.table.take())
-        self.state, tokens, done = self.call(self.engine.generate, state, k)
-        return tokens, done
+        self.state, tokens, done, *stats = self.call(self.engine.generate, state, k)
+        return tokens, done, (stats[0] if stats else None)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -247,14 +255,13 @@ class SlotGroups(Sequence[SlotGroup]):
     def pages_total(self) -> int:
         return sum(g.num_pages for g in self._groups)
 
-    def generate(self, busy: Sequence[bool], k: int) -> list[tuple[SlotGroup, Any, Any]]:
+    def generate(self, busy: Sequence[bool], k: int) -> list[tuple[SlotGroup, Any, Any, Any]]:
         """Dispatch one chunk of ``k`` steps on every group with a busy slot (each from its
-        own thread, so they run side by side); ``(group, tokens, done)`` per group."""
+        own thread, so they run side by side); ``(group, tokens, done, stats)`` per group."""
         ran = []
         for g in self._groups:
             if any(busy[s] for s in g.slots):
-                tokens, done = g.generate(k)
-                ran.append((g, tokens, done))
+                ran.append((g, *g.generate(k)))
         return ran
 
     def warm_up(
@@ -311,7 +318,7 @@ class SlotGroups(Sequence[SlotGroup]):
         pre = first.prefill([Chunk((PAD_TOKEN,), 0, pages, sp)])
         first.insert(pre, [0])
         first.table.set(0, pages)
-        tokens, _ = first.generate(k)
+        tokens, _, _ = first.generate(k)
         first.free(0)
         first.pool.release("warm-up")
         first.table.clear(0)

@@ -33,10 +33,14 @@ class Output(Protocol):
     prefix cache. ``emit(tokens, done)``: new tokens, a stop token included (``done``: the
     row ended on the device); True means the request is finished (e.g. a stop string
     matched) and its slot is freed at once. ``fail(error)``: it ended without finishing;
-    its slot and pages, if any, are already free.
+    its slot and pages, if any, are already free. ``speculated(drafted, accepted, on)``: a
+    speculating engine drafted and accepted these many tokens for it in one chunk (reported
+    before that chunk's tokens); ``on`` is False once it stopped speculating.
     """
 
     def admitted(self, cached_tokens: int) -> None: ...
+
+    def speculated(self, drafted: int, accepted: int, on: bool) -> None: ...
 
     def emit(self, tokens: list[int], done: bool) -> bool: ...
 

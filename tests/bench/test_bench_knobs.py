@@ -123,7 +123,7 @@ def test_each_knob_case_is_a_record_with_its_figures(knobs_run):
 @pytest.mark.slow
 def test_decode_records_carry_bytes_per_step_and_bandwidth(knobs_run):
     _, records = knobs_run
-    decode = {r.case["batch"]: r for r in records if r.suite == "decode"}
+    decode = {r.case["batch"]: r for r in records if r.metric == "generate_s"}
     assert set(decode) == {1, 8}
     for batch, r in decode.items():
         d = r.derived
@@ -142,6 +142,8 @@ def test_decode_records_carry_bytes_per_step_and_bandwidth(knobs_run):
 def test_profile_and_flags_are_recorded(knobs_run):
     run_dir, records = knobs_run
     for r in records:
+        if r.metric == "speculative_speedup":  # a ratio of two profiled records
+            continue
         trace = run_dir / r.derived["profile"]
         assert list(trace.glob("plugins/profile/*/*.xplane.pb")), r.metric
         assert list(trace.glob("plugins/profile/*/perfetto_trace.json.gz")), r.metric

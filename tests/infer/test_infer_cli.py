@@ -134,3 +134,78 @@ def test_load_run_restores_the_params_alone(run_dir):
     assert not any(
         "opt" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(run.params)
     )
+
+
+@pytest.mark.slow
+def test_generate_speculative_gives_plain_greedy_tokens_and_reports_acceptance(run_dir):
+    """``--speculative ngram`` and ``--speculative draft:RUN`` (the run drafting for itself:
+    every draft is its own argmax) give plain greedy's tokens, and say what they drafted."""
+    args = ("--prompt", "abcabcabcabcabcabc", "--max-new-tokens", "40", "--json")
+    plain = generate(run_dir, *args)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.json()["speculative"] is None
+    want = plain.json()["token_ids"]
+    for choice in ("ngram", f"draft:{run_dir}"):
+        r = generate(run_dir, *args, "--speculative", choice)
+        assert r.returncode == 0, r.stderr
+        doc = r.json()
+        assert doc["token_ids"] == want, choice
+        spec = doc["speculative"]
+        assert spec["method"] == choice.split(":")[0]
+        assert spec["draft_tokens"] > 0 and isinstance(spec["switched_off"], bool)
+        if choice.startswith("draft"):
+            assert spec["accepted_tokens"] == spec["draft_tokens"]
+            assert spec["acceptance_rate"] == 1.0
+        assert doc["compiles"]["spec_generate"] == 1
+
+
+def test_generate_speculative_bad_choices_exit_2(run_dir, tmp_path):
+    r = generate(run_dir, "--prompt", "x", "--speculative", "medusa")
+    assert (
+        r.returncode == 2 and "--speculative 'medusa'" in r.stderr and "draft:RUN_DIR" in r.stderr
+    )
+    r = generate(run_dir, "--prompt", "x", "--speculative", f"draft:{tmp_path}")
+    assert r.returncode == 2 and "--speculative" in r.stderr and "not a run directory" in r.stderr
+    r = generate(run_dir, "--prompt", "x", "--speculative", "ngram", "--no-kv-cache")
+    assert r.returncode == 2 and "cannot speculate" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_draft_of_another_tokenizer_is_refused_naming_both():
+    from jaxlab.config import JaxlabConfig, ModelConfig, TokenizerConfig
+    from jaxlab.infer.speculative import draft_problem
+    from jaxlab.tokenizer import bpe_tokenizer, byte_tokenizer
+
+    tok = TokenizerConfig(kind="byte")
+    cfg = JaxlabConfig(model=ModelConfig(vocab_size=300, max_seq_len=64), tokenizer=tok)
+    byte, bpe = byte_tokenizer(), bpe_tokenizer(["hello world " * 50], 300)
+    problem = draft_problem("runs/d", cfg, byte, cfg, bpe)
+    assert problem is not None
+    assert "runs/d" in problem and byte.sha256[:12] in problem and bpe.sha256[:12] in problem
+    assert "tokenizer.path" in problem
+    assert draft_problem("runs/d", cfg, byte, cfg, byte) is None
+    other = cfg.model_copy(update={"model": ModelConfig(vocab_size=512, max_seq_len=64)})
+    assert "model.vocab_size = 512" in (draft_problem("runs/d", cfg, byte, other, byte) or "")
+    short = cfg.model_copy(update={"model": ModelConfig(vocab_size=300, max_seq_len=32)})
+    assert "max_seq_len = 32" in (draft_problem("runs/d", cfg, byte, short, byte) or "")
+
+
+def test_a_draft_run_is_checked_before_loading(tmp_path):
+    """What a command checks before jax starts: a run directory, and its saved tokenizer's
+    hash against the target's."""
+    import json
+
+    from jaxlab.infer.speculative.draft import draft_dir_problem
+
+    def fake_run(name: str, sha: str):
+        d = tmp_path / name
+        (d / "checkpoints").mkdir(parents=True)
+        (d / "tokenizer").mkdir()
+        (d / "tokenizer" / "tokenizer.json").write_text(json.dumps({"sha256": sha}))
+        return d
+
+    target, same, other = fake_run("t", "a" * 64), fake_run("s", "a" * 64), fake_run("o", "b" * 64)
+    assert draft_dir_problem(target, same) is None
+    problem = draft_dir_problem(target, other) or ""
+    assert "bbbbbbbbbbbb" in problem and "aaaaaaaaaaaa" in problem and "tokenizer.path" in problem
+    assert "not a run directory" in (draft_dir_problem(target, tmp_path / "none") or "")

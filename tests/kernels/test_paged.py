@@ -167,6 +167,34 @@ def test_writes_without_a_page_or_at_no_slot_are_dropped(page_size, starts, seed
     assert np.array_equal(np.asarray(got.table), table)
 
 
+@SETTINGS
+@given(
+    page_size=st.sampled_from(PAGE_SIZES),
+    starts=st.lists(st.sampled_from([0, 1, 7, 30, 44]), min_size=B, max_size=B),
+    seed=st.integers(0, 2**16),
+)
+def test_read_at_gives_back_what_write_at_put_there(page_size, starts, seed):
+    """``read_at`` is ``write_at``'s inverse where a row has pages: the K/V written at those
+    positions come back, and writing what was read puts the pool back as it was (how a
+    speculative verify rolls back the positions it rejected)."""
+    rng = np.random.default_rng(seed)
+    t, n_kv = 4, 2
+    table, num_pages = page_table(rng, [48, 20, 48], page_size, interleave=False)
+    pool = pool_of(num_pages, page_size, n_kv, seed)
+    layer = pg.PagedLayer(pool.k, pool.v, jnp.asarray(table))
+    positions = jnp.asarray(starts, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
+    held = np.asarray(positions) // page_size < (table < num_pages).sum(axis=1)[:, None]
+    before_k, before_v = jax.jit(pg.read_at)(layer, positions)
+    k, v = normal(rng, B, t, n_kv, D), normal(rng, B, t, n_kv, D)
+    written_layer = jax.jit(pg.write_at)(layer, jnp.asarray(k), jnp.asarray(v), positions)
+    got_k, got_v = jax.jit(pg.read_at)(written_layer, positions)
+    np.testing.assert_array_equal(np.asarray(got_k)[held], k[held])
+    np.testing.assert_array_equal(np.asarray(got_v)[held], v[held])
+    restored = jax.jit(pg.write_at)(written_layer, before_k, before_v, positions)
+    np.testing.assert_array_equal(np.asarray(restored.k), np.asarray(pool.k))
+    np.testing.assert_array_equal(np.asarray(restored.v), np.asarray(pool.v))
+
+
 @functools.cache
 def long_ops(name: str):
     kern = PAGED_KERNELS[name]

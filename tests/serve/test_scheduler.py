@@ -67,6 +67,9 @@ class Recorder:
         self.admitted_n += 1
         self.cached_tokens = cached_tokens
 
+    def speculated(self, drafted: int, accepted: int, on: bool) -> None:
+        raise AssertionError("the fake engine does not speculate")
+
     def emit(self, tokens: list[int], done: bool) -> bool:
         assert not self.ended, "tokens after the end"
         self.emits.append((list(tokens), done))

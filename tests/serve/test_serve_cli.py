@@ -46,6 +46,13 @@ def test_serve_usage_errors_exit_2(run_dir, tmp_path):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "serve.decode_groups: must divide serve.slots (got 4 and 6)" in r.stderr
+    spec = ("--set", "inference.speculative.method=draft")
+    r = run_cli("serve", "--run-dir", str(run_dir), *spec)
+    assert r.returncode == 2 and "needs inference.speculative.draft_run_dir" in r.stderr
+    where = f"inference.speculative.draft_run_dir={tmp_path}"
+    r = run_cli("serve", "--run-dir", str(run_dir), *spec, "--set", where)
+    assert r.returncode == 2 and "not a run directory with checkpoints" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 #: The servers here share one prefill bucket (fewer compiles, the same ones in every test,
