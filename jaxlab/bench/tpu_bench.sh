@@ -11,7 +11,9 @@
 #            without remat), scan, accumulation, the attention kernel of issue #34's 65k
 #            tokens/s (xla), a remat policy. About 8-9 min.
 #   decode   the decode suite of tpu-small with bf16 weights (bytes per step, GB/s, batch
-#            1..32) through the paged cache, for the default kernel and Pallas's. 3-5 min.
+#            1..32) through the paged cache, for the default kernel and Pallas's
+#            (TPU_BENCH_DECODE_IMPLS), and with int8 weights too if TPU_BENCH_DECODE_WEIGHTS
+#            is "bf16 int8". 3-5 min.
 #   medium   the knobs of tpu-medium: the preset (16 as 2 x 8, full remat), Pallas flash,
 #            lighter remat policies, micro-batch 4, master weights, scan; remat none last
 #            (expected not to fit). 7-9 min.
@@ -119,11 +121,15 @@ phase_small() {
 phase_decode() {
     # Decode with bf16 weights: bytes per step and GB/s at batch 1..32, through the paged
     # cache, for the default kernel and for the Pallas one (paged_pallas).
-    local impl
-    for impl in ${TPU_BENCH_DECODE_IMPLS:-auto pallas}; do
-        jx bench decode --config "$SMALL" --set "runtime.platform=$PLATFORM" \
-            --set train.precision.param_dtype=bfloat16 --set "model.attention_impl=$impl" \
-            --out "$DIR" "${ARGS[@]}"
+    # TPU_BENCH_DECODE_WEIGHTS="bf16 int8" adds int8 weights (issue #35's TPU row) in this call.
+    local impl weights
+    for weights in ${TPU_BENCH_DECODE_WEIGHTS:-bf16}; do
+        for impl in ${TPU_BENCH_DECODE_IMPLS:-auto pallas}; do
+            jx bench decode --config "$SMALL" --set "runtime.platform=$PLATFORM" \
+                --set train.precision.param_dtype=bfloat16 --set "model.attention_impl=$impl" \
+                --set "inference.weights=$([ "$weights" = int8 ] && echo int8 || echo float)" \
+                --out "$DIR" "${ARGS[@]}"
+        done
     done
 }
 

@@ -143,7 +143,7 @@ class ModelConfig(Section):
             "Attention kernel (jaxlab.kernels): 'reference' the textbook einsum, 'xla'"
             " jax.nn.dot_product_attention, 'xla_cpu' / 'xla_tpu' layouts tuned for XLA on"
             " that platform, 'pallas' flash attention in Pallas (interpret mode on the CPU);"
-            " 'auto' = xla_cpu on CPU, xla_tpu on TPU, xla elsewhere."
+            " 'auto' = xla_cpu on CPU, pallas on TPU, xla elsewhere."
             " 'einsum' (older configs) = xla_cpu."
         ),
     )

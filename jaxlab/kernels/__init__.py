@@ -73,8 +73,10 @@ PAGED_FOR: dict[str, str] = {
     for name in KERNELS
 }
 
-#: What ``auto`` means on each JAX platform; any other platform gets ``xla``.
-AUTO = {"cpu": "xla_cpu", "tpu": "xla_tpu"}
+#: What ``auto`` means on each JAX platform; any other platform gets ``xla``. On a TPU the
+#: Pallas kernels measured fastest both for training (flash) and for paged decode
+#: (``docs/performance.md``, "TPU v5e" sections).
+AUTO = {"cpu": "xla_cpu", "tpu": "pallas"}
 
 #: Older configs (before kernels existed) named the grouped einsum ``einsum``.
 ALIASES = {"einsum": "xla_cpu"}

@@ -236,7 +236,7 @@ def test_init_cache_is_zero_in_the_asked_dtype(name: str) -> None:
 
 def test_auto_picks_by_platform_and_old_names_still_resolve() -> None:
     assert kernels.resolve("auto", "cpu") == "xla_cpu"
-    assert kernels.resolve("auto", "tpu") == "xla_tpu"
+    assert kernels.resolve("auto", "tpu") == "pallas"
     assert kernels.resolve("auto", "gpu") == "xla"
     assert kernels.resolve("einsum", "tpu") == "xla_cpu"  # a config written before kernels
     assert kernels.resolve("reference") == "reference"

@@ -106,8 +106,10 @@ def test_mosaic_tiles_pages_of_whole_sublane_tiles_only() -> None:
     assert runs_pallas(1, 16, jnp.bfloat16, "tpu", tpu=True)
     assert not runs_pallas(2, 16, jnp.bfloat16, "tpu", tpu=True)
     assert not runs_pallas(1, 16, "float32", "gpu", tpu=True)
-    # Not validated on a chip yet: the registered kernel decodes through paged_xla there.
-    assert not CHIP_VALIDATED and not runs_pallas(1, 16, jnp.bfloat16, "tpu")
+    # Validated on a chip: the registered kernel decodes by Pallas there, unless the gate
+    # is turned off, which sends a TPU decode back to paged_xla.
+    assert CHIP_VALIDATED and runs_pallas(1, 16, jnp.bfloat16, "tpu")
+    assert not runs_pallas(1, 16, jnp.bfloat16, "tpu", tpu=False)
 
 
 @pytest.mark.parametrize("field", ["block_tokens", "pages_per_block", "rows_per_step"])
