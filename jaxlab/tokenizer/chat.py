@@ -133,7 +133,7 @@ class ChatTemplate:
         self._tok = tokenizer
         self.role_ids: dict[Role, int] = {r: specials[t] for r, t in _ROLE_TOKENS.items()}
         self.end_id = specials[END_OF_TURN]
-        self._role_of = {i: r for r, i in self.role_ids.items()}
+        self._role_of: dict[int, Role] = {i: r for r, i in self.role_ids.items()}
 
     @property
     def generation_prompt(self) -> list[int]:
