@@ -30,6 +30,9 @@ from typing import Literal, Protocol, cast, get_args
 
 from jaxlab.tokenizer.bpe import ASSISTANT, CHAT_TOKENS, END_OF_TURN, SYSTEM, USER
 
+#: Bump when the rendered format changes: token caches of chat data are keyed by it.
+TEMPLATE_VERSION = 1
+
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = get_args(Role)
 _ROLE_TOKENS: dict[Role, str] = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
@@ -179,6 +182,7 @@ class ChatTemplate:
 
 __all__ = [
     "ROLES",
+    "TEMPLATE_VERSION",
     "ChatTemplate",
     "ChatTemplateError",
     "ChatTokenizer",
