@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxlab.serve import ModelService, ServerThread
 from jaxlab.tokenizer import ChatTemplate, Tokenizer, byte_tokenizer
@@ -263,3 +265,42 @@ def test_the_official_client_streams_and_not(chat: ChatServer) -> None:
             model="jaxlab",
             messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}],
         )
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant"]) | _JSON,
+        "content": st.text(max_size=40) | _JSON,
+    }
+)
+_CHAT_BODY = st.fixed_dictionaries(
+    {"messages": st.lists(_MESSAGE, max_size=3) | _JSON},
+    optional={
+        "model": st.just("jaxlab") | _JSON,
+        "max_tokens": st.integers(1, 8) | _JSON,
+        "stream": st.booleans() | _JSON,
+        "temperature": st.floats(0, 2) | _JSON,
+        "seed": st.integers(0, 100) | _JSON,
+        "stop": st.text(min_size=1, max_size=3) | _JSON,
+    },
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(payload=_CHAT_BODY)
+def test_no_chat_body_gets_a_5xx(chat: ChatServer, payload: dict[str, Any]) -> None:
+    r = httpx.post(chat.url, json=payload, timeout=60)
+    assert r.status_code < 500, (payload, r.text[:300])
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == ERROR_KEYS
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert all("error" not in c for c in sse_chunks(r.text))
+    else:
+        assert r.json()["object"] == "chat.completion"
