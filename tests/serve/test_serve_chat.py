@@ -11,8 +11,10 @@ the test knows exactly the reply the server must give and where it must stop.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -308,3 +310,71 @@ def test_no_chat_body_gets_a_5xx(chat: ChatServer, payload: dict[str, Any]) -> N
         assert all("error" not in c for c in sse_chunks(r.text))
     else:
         assert r.json()["object"] == "chat.completion"
+
+
+@pytest.mark.slow
+def test_a_chat_jsonl_fine_tune_answers_and_ends_its_turns(tmp_path: Path) -> None:
+    """The whole chain: conversations -> a chat-jsonl run (loss on the replies only) -> a
+    server whose greedy replies continue the count and end at <|end|>."""
+    import openai
+
+    from jaxlab.config import load_config
+    from jaxlab.serve import serve_config
+    from jaxlab.train.trainer import Trainer
+
+    rng = random.Random(0)
+    lines = []
+    for _ in range(3000):
+        a = rng.randint(0, 80)
+        conv = [
+            {"role": "user", "content": f"count: {a} {a + 1} {a + 2}"},
+            {"role": "assistant", "content": f"{a + 3} {a + 4} {a + 5}"},
+        ]
+        lines.append(json.dumps({"messages": conv}))
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = load_config(
+        "tiny",
+        [
+            "train.steps=200",
+            "checkpoint.every_steps=200",
+            "tokenizer.kind=byte",
+            "tokenizer.chat_tokens=true",
+            "model.vocab_size=262",
+            "data.source=chat-jsonl",
+            f"data.paths=['{tmp_path / 'chats.jsonl'}']",
+            f"runtime.artifacts_dir={tmp_path}",
+        ],
+        environ={},
+    )
+    trainer = Trainer(cfg, tmp_path / "run")
+    summary = trainer.run()
+    trainer.close()
+    assert summary.eval is not None and summary.eval["accuracy"] > 0.8
+    served = serve_config(
+        tmp_path / "run",
+        [
+            "serve.port=0",
+            "serve.slots=2",
+            "serve.decode_groups=1",
+            "inference.prefill_buckets=[32]",
+            "serve.prefill_chunk_tokens=32",
+        ],
+        environ={},
+    )
+    srv = ServerThread(ModelService.from_run_dir(served, tmp_path / "run")).start()
+    try:
+        srv.wait_ready(timeout_s=300)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        right = ended = 0
+        for a in (5, 10, 33, 47, 70):
+            done = client.chat.completions.create(
+                model="jaxlab",
+                messages=[{"role": "user", "content": f"count: {a} {a + 1} {a + 2}"}],
+                temperature=0.0,
+                max_tokens=20,
+            )
+            right += done.choices[0].message.content == f"{a + 3} {a + 4} {a + 5}"
+            ended += done.choices[0].finish_reason == "stop"
+    finally:
+        srv.stop()
+    assert right >= 4 and ended >= 4, (right, ended)
