@@ -20,10 +20,16 @@ def main() -> None:
     # (docs/performance.md) before JAX starts a backend. Optional; "auto" keeps JAX's choice.
     configure_platform("auto")
     run_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "run"
-    # The same loader the CLI uses: preset < env < overrides.
+    # The same loader the CLI uses: preset < env < overrides. The chat tokens let a server
+    # on this run answer /v1/chat/completions too (examples/openai_chat.py).
     cfg = load_config(
         "tiny",
-        ["train.steps=150", "checkpoint.every_steps=50", f"runtime.artifacts_dir={run_dir.parent}"],
+        [
+            "train.steps=150",
+            "checkpoint.every_steps=50",
+            "tokenizer.chat_tokens=true",
+            f"runtime.artifacts_dir={run_dir.parent}",
+        ],
     )
     trainer = Trainer(cfg, run_dir)
     summary = trainer.run()

@@ -1,15 +1,18 @@
 """The scripts under examples/ run as a user runs them: a subprocess each.
 
 ``train_and_generate.py`` trains a tiny model and generates through the library API;
-``openai_client.py`` then talks to a real server on that run with the official ``openai``
-client (completion with a stop string and usage, then an SSE stream).
+``openai_client.py`` and ``openai_chat.py`` then talk to one real server on that run with
+the official ``openai`` client (a completion with a stop string and usage, then an SSE
+stream; a chat answer with usage, then a streamed chat).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,21 +51,38 @@ def test_train_and_generate_through_the_library(trained):
     assert (run_dir / "metrics.jsonl").is_file()
 
 
-def test_openai_client_against_jaxlab_serve(trained):
+@pytest.fixture(scope="module")
+def server_url(trained: tuple[Path, str]) -> Iterator[str]:
+    """A real server (uvicorn on an ephemeral port) on the example's run, for both clients."""
     from jaxlab.serve import ModelService, ServerThread, serve_config
 
     run_dir, _ = trained
     cfg = serve_config(run_dir, ["serve.port=0"], environ={})
-    service = ModelService.from_run_dir(cfg, run_dir)
-    srv = ServerThread(service).start()
+    srv = ServerThread(ModelService.from_run_dir(cfg, run_dir)).start()
     try:
         srv.wait_ready(timeout_s=300)
-        proc = run_example("openai_client.py", srv.url + "/v1")
+        yield srv.url + "/v1"
     finally:
         srv.stop()
+
+
+def test_openai_client_against_jaxlab_serve(server_url):
+    proc = run_example("openai_client.py", server_url)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "model: jaxlab"
     assert lines[1].startswith("completion (stop): ") or lines[1].startswith("completion (length)")
     assert lines[2].startswith("usage: 5 prompt + ")
     assert lines[3].startswith("stream: ")
+
+
+def test_openai_chat_example_against_jaxlab_serve(server_url):
+    proc = run_example("openai_chat.py", server_url)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert re.fullmatch(r"chat \((stop|length)\): assistant: '.*'", lines[0]), lines[0]
+    # <|system|>You count.<|end|><|user|>count: 3 4 5<|end|><|assistant|>: 5 special tokens
+    # and at most 22 for the 22 bytes of text (merges only shorten it).
+    prompt, generated = map(int, re.findall(r"\d+", lines[1]))
+    assert lines[1].startswith("usage: ") and 5 < prompt <= 5 + 22 and 0 <= generated <= 24
+    assert lines[2].startswith("stream: ")

@@ -29,6 +29,9 @@ Dtype = Literal["float32", "bfloat16"]
 # Tokens the tokenizer always appends after its learned ranks.
 N_SPECIAL_TOKENS = 2
 BYTE_VOCAB = 256 + N_SPECIAL_TOKENS
+# The chat template's tokens (<|system|>, <|user|>, <|assistant|>, <|end|>), appended after
+# those with tokenizer.chat_tokens = true.
+N_CHAT_TOKENS = 4
 
 
 class Section(BaseModel):
@@ -170,7 +173,7 @@ class ModelConfig(Section):
 class TokenizerConfig(Section):
     kind: Literal["byte", "bpe"] = "bpe"
     vocab_size: int = Field(
-        default=512, ge=BYTE_VOCAB, description="BPE vocabulary including the 2 special tokens."
+        default=512, ge=BYTE_VOCAB, description="BPE vocabulary including the special tokens."
     )
     train_bytes: int = Field(
         default=2_000_000, ge=1, description="How many bytes of the corpus the BPE trainer reads."
@@ -178,15 +181,34 @@ class TokenizerConfig(Section):
     path: str | None = Field(
         default=None, description="Directory of a saved tokenizer to load instead."
     )
+    chat_tokens: bool = Field(
+        default=False,
+        description="Add the chat template's 4 special tokens (counted in vocab_size); "
+        "needed by /v1/chat/completions and the chat-jsonl data source.",
+    )
+
+    @model_validator(mode="after")
+    def _chat_room(self) -> TokenizerConfig:
+        need = BYTE_VOCAB + N_CHAT_TOKENS
+        if self.chat_tokens and self.kind == "bpe" and self.vocab_size < need:
+            raise ValueError(
+                f"tokenizer.vocab_size: must be >= {need} with tokenizer.chat_tokens = true "
+                f"(got {self.vocab_size}); raise vocab_size"
+            )
+        return self
 
     @property
     def n_vocab(self) -> int:
-        return BYTE_VOCAB if self.kind == "byte" else self.vocab_size
+        if self.kind == "byte":
+            return BYTE_VOCAB + (N_CHAT_TOKENS if self.chat_tokens else 0)
+        return self.vocab_size
 
 
 class DataConfig(Section):
-    source: Literal["synthetic", "text", "jsonl", "stdlib"] = "synthetic"
-    paths: list[str] = Field(default_factory=list, description="Files or globs ('text', 'jsonl').")
+    source: Literal["synthetic", "text", "jsonl", "stdlib", "chat-jsonl"] = "synthetic"
+    paths: list[str] = Field(
+        default_factory=list, description="Files or globs ('text', 'jsonl', 'chat-jsonl')."
+    )
     jsonl_text_field: str = "text"
     seq_len: int = Field(default=64, ge=2, description="Tokens per packed training window.")
     eval_fraction: float = Field(
@@ -607,6 +629,13 @@ class JaxlabConfig(Section):
             errors.append(
                 f"model.vocab_size: smaller than the tokenizer's vocabulary (got "
                 f"{m.vocab_size}, expected >= {self.tokenizer.n_vocab}); raise model.vocab_size"
+            )
+        if self.data.source == "chat-jsonl" and not (
+            self.tokenizer.chat_tokens or self.tokenizer.path
+        ):
+            errors.append(
+                "data.source: 'chat-jsonl' renders conversations with the chat template, whose "
+                "tokens the tokenizer lacks; set tokenizer.chat_tokens = true"
             )
         if t.batch_size % t.grad_accum_steps:
             errors.append(

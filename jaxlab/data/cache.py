@@ -21,6 +21,10 @@ Train/eval split is by document: document ``i`` goes to eval iff
 document has tokens in both splits. If that leaves a split empty and there are at least two
 documents (and ``eval_fraction > 0``), the *last* document is moved into the empty split;
 this is why the last document of each chunk is held back until the next chunk arrives.
+
+A ``chat-jsonl`` source is rendered with the chat template instead of encoded as text, and
+its store also holds each split's target mask (``{split}.mask``: 1 on the assistant's
+tokens, 0 elsewhere and on every eot), which the loader turns into the loss mask.
 """
 
 from __future__ import annotations
@@ -35,15 +39,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from itertools import chain
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import numpy as np
 
 from jaxlab.config.schema import DataConfig, RuntimeConfig
 from jaxlab.data.protocol import TokenizerLike
 from jaxlab.data.sources import (
+    conversation_bytes,
     describe_source,
     estimate_total_bytes,
+    iter_conversations,
     iter_documents,
     source_fingerprint,
 )
@@ -54,6 +60,7 @@ from jaxlab.data.store import (
     CacheError,
     SplitName,
     TokenStore,
+    mask_filename,
     offsets_filename,
     token_dtype,
     tokens_filename,
@@ -165,17 +172,32 @@ def prepare(
 class _SplitWriter:
     """Appends documents to one split's ``.tokens`` and ``.offsets`` files."""
 
-    def __init__(self, directory: Path, name: str, dtype: np.dtype[Any]) -> None:
+    def __init__(
+        self, directory: Path, name: str, dtype: np.dtype[Any], masked: bool = False
+    ) -> None:
         self.dtype = dtype
         self.n_tokens = 0
         self.n_docs = 0
         self._tokens: BinaryIO = open(directory / tokens_filename(name), "wb")  # noqa: SIM115
         self._offsets: BinaryIO = open(directory / offsets_filename(name), "wb")  # noqa: SIM115
+        self._mask: BinaryIO | None = (
+            open(directory / mask_filename(name), "wb") if masked else None  # noqa: SIM115
+        )
         np.zeros(1, np.int64).tofile(self._offsets)
 
-    def write(self, docs: list[list[int]], eot_id: int, n_vocab: int) -> None:
+    def write(
+        self,
+        docs: list[list[int]],
+        eot_id: int,
+        n_vocab: int,
+        masks: list[list[int]] | None = None,
+    ) -> None:
         if not docs:
             return
+        if self._mask is not None:
+            assert masks is not None and len(masks) == len(docs)
+            flat_mask = np.fromiter(chain.from_iterable(chain(m, (0,)) for m in masks), np.uint8)
+            flat_mask.tofile(self._mask)
         lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
         count = int(lengths.sum())
         eot = (eot_id,)
@@ -193,20 +215,69 @@ class _SplitWriter:
     def close(self) -> None:
         self._tokens.close()
         self._offsets.close()
+        if self._mask is not None:
+            self._mask.close()
 
 
-def _chunks(docs: Iterator[str], chunk_bytes: int) -> Iterator[tuple[list[str], int]]:
+def _text_bytes(doc: str) -> int:
+    return len(doc.encode("utf-8"))
+
+
+D = TypeVar("D")
+
+
+def _chunks(
+    docs: Iterator[D], chunk_bytes: int, size_of: Callable[[Any], int] = _text_bytes
+) -> Iterator[tuple[list[D], int]]:
     """Group documents into lists of about ``chunk_bytes`` UTF-8 bytes (>= 1 doc each)."""
-    chunk: list[str] = []
+    chunk: list[D] = []
     size = 0
     for doc in docs:
         chunk.append(doc)
-        size += len(doc.encode("utf-8"))
+        size += size_of(doc)
         if size >= chunk_bytes or len(chunk) >= _MAX_CHUNK_DOCS:
             yield chunk, size
             chunk, size = [], 0
     if chunk:
         yield chunk, size
+
+
+# One chunk of encoded documents: their ids, their target masks (None: the source does
+# not mask), and the bytes of text they came from.
+Encoded = tuple[list[list[int]], list[list[int]] | None, int]
+# One document on its way to a split: (index in the source, ids, target mask or None).
+Item = tuple[int, list[int], list[int] | None]
+
+
+def _encoded_chunks(
+    cfg: DataConfig, tokenizer: TokenizerLike, chunk_bytes: int
+) -> tuple[Iterator[Encoded], dict[str, float]]:
+    """The source's documents, encoded chunk by chunk, and a dict that accumulates the
+    seconds spent encoding (``encode_s``)."""
+    timing = {"encode_s": 0.0}
+
+    def text() -> Iterator[Encoded]:
+        for texts, size in _chunks(iter_documents(cfg), chunk_bytes):
+            t0 = time.perf_counter()
+            encoded = tokenizer.encode_batch(texts)
+            timing["encode_s"] += time.perf_counter() - t0
+            if len(encoded) != len(texts):
+                raise ValueError(
+                    f"tokenizer.encode_batch returned {len(encoded)} results for {len(texts)} texts"
+                )
+            yield encoded, None, size
+
+    def chat() -> Iterator[Encoded]:
+        from jaxlab.tokenizer.chat import ChatTemplate, ChatTokenizer
+
+        template = ChatTemplate(cast(ChatTokenizer, tokenizer))
+        for convs, size in _chunks(iter_conversations(cfg), chunk_bytes, conversation_bytes):
+            t0 = time.perf_counter()
+            rendered = [template.render(c) for c in convs]
+            timing["encode_s"] += time.perf_counter() - t0
+            yield [r.ids for r in rendered], [r.target_mask() for r in rendered], size
+
+    return (chat() if cfg.source == "chat-jsonl" else text()), timing
 
 
 def _write_store(
@@ -225,31 +296,34 @@ def _write_store(
     if progress is not None:
         progress(0, total)
 
-    writers = {name: _SplitWriter(directory, name, dtype) for name in SPLITS}
-    encode_s = 0.0
+    masked = cfg.source == "chat-jsonl"
+    writers = {name: _SplitWriter(directory, name, dtype, masked) for name in SPLITS}
     done = 0
     n_docs = 0
-    pending: tuple[int, list[int]] | None = None  # held back for the non-empty fix-up
+    # The last item is held back for the non-empty fix-up.
+    pending: Item | None = None
 
-    def route(items: list[tuple[int, list[int]]]) -> None:
-        by_split: dict[SplitName, list[list[int]]] = {name: [] for name in SPLITS}
-        for index, ids in items:
-            name: SplitName = "eval" if is_eval_document(index, cfg.eval_fraction) else "train"
-            by_split[name].append(ids)
-        for name, docs in by_split.items():
-            writers[name].write(docs, eot_id, n_vocab)
+    def write(name: SplitName, items: list[Item]) -> None:
+        masks = [m for _, _, m in items if m is not None] if masked else None
+        writers[name].write([ids for _, ids, _ in items], eot_id, n_vocab, masks)
 
+    def route(items: list[Item]) -> None:
+        by_split: dict[SplitName, list[Item]] = {name: [] for name in SPLITS}
+        for item in items:
+            name: SplitName = "eval" if is_eval_document(item[0], cfg.eval_fraction) else "train"
+            by_split[name].append(item)
+        for name, part in by_split.items():
+            write(name, part)
+
+    chunks, timing = _encoded_chunks(cfg, tokenizer, chunk_bytes)
     try:
-        for texts, size in _chunks(iter_documents(cfg), chunk_bytes):
-            t0 = time.perf_counter()
-            encoded = tokenizer.encode_batch(texts)
-            encode_s += time.perf_counter() - t0
-            if len(encoded) != len(texts):
-                raise ValueError(
-                    f"tokenizer.encode_batch returned {len(encoded)} results for {len(texts)} texts"
-                )
-            items = list(zip(range(n_docs, n_docs + len(texts)), encoded, strict=True))
-            n_docs += len(texts)
+        for encoded, masks, size in chunks:
+            indices = range(n_docs, n_docs + len(encoded))
+            items: list[Item] = [
+                (i, ids, None if masks is None else masks[k])
+                for k, (i, ids) in enumerate(zip(indices, encoded, strict=True))
+            ]
+            n_docs += len(encoded)
             if pending is not None:
                 items.insert(0, pending)
             pending = items.pop()
@@ -260,17 +334,18 @@ def _write_store(
 
         if pending is None:
             raise ValueError(f"data source {describe_source(cfg)} yielded no documents")
-        index, ids = pending
+        index = pending[0]
         target: SplitName = "eval" if is_eval_document(index, cfg.eval_fraction) else "train"
         if n_docs >= 2 and cfg.eval_fraction > 0:
             if writers["eval"].n_docs == 0:
                 target = "eval"
             elif writers["train"].n_docs == 0:
                 target = "train"
-        writers[target].write([ids], eot_id, n_vocab)
+        write(target, [pending])
     finally:
         for w in writers.values():
             w.close()
+    encode_s = timing["encode_s"]
 
     total_s = time.perf_counter() - t_start
     n_tokens = sum(w.n_tokens for w in writers.values())
@@ -284,6 +359,7 @@ def _write_store(
         "eot_id": eot_id,
         "pad_id": tokenizer.pad_id,
         "dtype": dtype.name,
+        **({"target_mask": True} if masked else {}),
         "eval_fraction": cfg.eval_fraction,
         "split_salt": SPLIT_SALT,
         "n_docs": n_docs,

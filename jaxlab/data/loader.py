@@ -25,6 +25,10 @@ Segments, positions and the loss mask (per row, ``inputs = window[:-1]``,
       the model learns where documents end. The first token of each document is never a
       target: with segment-isolated attention it has no context of its own document.
 
+    - With a target mask (a ``chat-jsonl`` store: 1 on the assistant's tokens), also
+      ``loss_mask[j] = 0`` wherever ``targets[j]`` is not a target, so only the assistant's
+      replies (and their end-of-turn tokens) are trained; rows without one are unchanged.
+
     Attention that lets query ``j`` see key ``i`` only when ``i <= j`` and
     ``segment_ids[i] == segment_ids[j]`` then never mixes documents, and every unmasked
     target is predicted from its own document's tokens only. (Padding rows of
@@ -55,15 +59,17 @@ def num_windows(n_tokens: int, seq_len: int) -> int:
 
 
 def gather_windows(tokens: np.ndarray, seq_len: int, window_ids: np.ndarray) -> np.ndarray:
-    """Rows ``tokens[k*T : k*T + T + 1]`` for each ``k`` in ``window_ids``, as int32."""
+    """Rows ``tokens[k*T : k*T + T + 1]`` for each ``k`` in ``window_ids``, as int32 (also
+    for a target mask stream, which has the same layout)."""
     starts = np.asarray(window_ids, dtype=np.int64) * seq_len
     index = starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]
     # One vectorized gather; on a memmap only the touched pages are read.
     return np.asarray(tokens[index]).astype(np.int32)
 
 
-def pack(windows: np.ndarray, eot_id: int) -> Batch:
-    """Turn ``[B, T+1]`` windows into a :data:`Batch` (semantics in the module docstring)."""
+def pack(windows: np.ndarray, eot_id: int, target_mask: np.ndarray | None = None) -> Batch:
+    """Turn ``[B, T+1]`` windows into a :data:`Batch` (semantics in the module docstring);
+    ``target_mask``: the same windows of the store's target mask, if it has one."""
     windows = np.asarray(windows, dtype=np.int32)
     if windows.ndim != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [B, T+1] with T >= 1, got shape {windows.shape}")
@@ -79,12 +85,15 @@ def pack(windows: np.ndarray, eot_id: int) -> Batch:
     starts[:, 1:] = is_eos[:, :-1]
     col = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     last_start = np.maximum.accumulate(np.where(starts, col, 0), axis=1)
+    loss_mask = ~is_eos
+    if target_mask is not None:
+        loss_mask &= np.asarray(target_mask)[:, 1:] != 0
     return dict(
         tokens=np.ascontiguousarray(inputs),
         targets=np.ascontiguousarray(targets),
         positions=(col - last_start).astype(np.int32),
         segment_ids=segment_ids,
-        loss_mask=(~is_eos).astype(np.float32),
+        loss_mask=loss_mask.astype(np.float32),
     )
 
 
@@ -109,6 +118,12 @@ def concat_batches(parts: list[Batch]) -> Batch:
         segment_ids=np.concatenate([p["segment_ids"] for p in parts]),
         loss_mask=np.concatenate([p["loss_mask"] for p in parts]),
     )
+
+
+def _mask_windows(
+    mask: np.ndarray | None, seq_len: int, window_ids: np.ndarray
+) -> np.ndarray | None:
+    return None if mask is None else gather_windows(mask, seq_len, window_ids)
 
 
 def _check_seq_len(seq_len: int) -> None:
@@ -164,6 +179,7 @@ class TrainLoader:
         self.process_count = process_count
         self.eot_id = store.eot_id
         self._tokens = store.split(split).tokens
+        self._target_mask = store.split(split).target_mask
         self.windows_per_epoch = num_windows(int(self._tokens.shape[0]), seq_len)
         if self.windows_per_epoch < 1:
             raise ValueError(
@@ -214,8 +230,10 @@ class TrainLoader:
 
     def batch(self, step: int) -> Batch:
         """This process's batch at ``step``: ``[global_batch / process_count, seq_len]``."""
-        windows = gather_windows(self._tokens, self.seq_len, self.window_ids(step))
-        return pack(windows, self.eot_id)
+        ids = self.window_ids(step)
+        windows = gather_windows(self._tokens, self.seq_len, ids)
+        mask = self._target_mask
+        return pack(windows, self.eot_id, _mask_windows(mask, self.seq_len, ids))
 
 
 def eval_batches(
@@ -239,6 +257,7 @@ def eval_batches(
     _check_seq_len(seq_len)
     local = _process_share(batch_size, process_index, process_count, "batch_size")
     tokens = store.split(split).tokens
+    mask = store.split(split).target_mask
     total = num_windows(int(tokens.shape[0]), seq_len)
     n_batches = -(-total // batch_size)
     if max_batches is not None:
@@ -248,7 +267,8 @@ def eval_batches(
         ids = np.arange(lo, min(lo + local, total), dtype=np.int64)
         parts: list[Batch] = []
         if ids.size:
-            parts.append(pack(gather_windows(tokens, seq_len, ids), store.eot_id))
+            windows = gather_windows(tokens, seq_len, ids)
+            parts.append(pack(windows, store.eot_id, _mask_windows(mask, seq_len, ids)))
         if ids.size < local:
             parts.append(padding_batch(local - ids.size, seq_len, store.pad_id))
         yield parts[0] if len(parts) == 1 else concat_batches(parts)

@@ -53,6 +53,7 @@ class TokenizerLike(Protocol):
 #   positions    int32    0 at each segment start, counting up within the segment
 #   segment_ids  int32    1, 1, ..., 2, 2, ... within a row; 0 only on padding rows
 #   loss_mask    float32  1 where the target continues the input's document, else 0
+#                         (and, from a chat-jsonl store, is an assistant reply's token)
 Batch = dict[str, np.ndarray]
 
 BATCH_KEYS: tuple[str, ...] = ("tokens", "targets", "positions", "segment_ids", "loss_mask")

@@ -1,6 +1,6 @@
 """Document sources: turn a :class:`DataConfig` into a deterministic stream of strings.
 
-Four kinds (``cfg.source``):
+Five kinds (``cfg.source``):
 
 ``synthetic``
     ``cfg.synthetic_docs`` short documents of learnable patterns (counting, countdowns,
@@ -14,6 +14,11 @@ Four kinds (``cfg.source``):
 ``jsonl``
     The same path rules; every non-blank line must be a JSON object whose
     ``cfg.jsonl_text_field`` is a string, which is the document.
+``chat-jsonl``
+    The same path rules; every non-blank line is a conversation ``{"messages": [{"role",
+    "content"}, ...]}`` (OpenAI's fine-tuning format; other keys are ignored). The cache
+    renders each one with the chat template (:func:`iter_conversations`); as text (the BPE
+    trainer's corpus, :func:`iter_documents`) a conversation is its contents, one per line.
 ``stdlib``
     The ``.py`` files of this interpreter's standard library
     (``sysconfig.get_paths()["stdlib"]``), recursively, in sorted relative-path order. Skipped
@@ -126,6 +131,8 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
     if cfg.source == "synthetic":
         docs = (synthetic_document(i) for i in range(cfg.synthetic_docs))
         return _cap(docs, cfg.max_bytes)
+    if cfg.source == "chat-jsonl":
+        return ("\n".join(m["content"] for m in conv) for conv in iter_conversations(cfg))
     files = resolve_files(cfg)
     if cfg.source == "jsonl":
         return _cap(_iter_jsonl(files, cfg.jsonl_text_field), cfg.max_bytes)
@@ -203,6 +210,45 @@ def _iter_jsonl(files: list[Path], field: str) -> Iterator[str]:
                 yield text
 
 
+def conversation_bytes(messages: list[dict[str, str]]) -> int:
+    """UTF-8 bytes of a conversation's contents: what ``max_bytes`` counts for chat."""
+    return sum(len(m["content"].encode("utf-8")) for m in messages)
+
+
+def iter_conversations(cfg: DataConfig) -> Iterator[list[dict[str, str]]]:
+    """The conversations of a ``chat-jsonl`` source, in file and line order; the one that
+    crosses ``max_bytes`` (:func:`conversation_bytes`) is the last, whole. Every message
+    is checked here (roles, string contents), so an error names the file and line."""
+    from jaxlab.tokenizer.chat import ChatTemplateError, as_messages
+
+    remaining = cfg.max_bytes
+    for path in resolve_files(cfg):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line:
+                    continue
+                try:
+                    obj: Any = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+                if not isinstance(obj, dict) or "messages" not in obj:
+                    raise ValueError(
+                        f"{path}:{lineno}: expected an object with a 'messages' list "
+                        "(data.source = 'chat-jsonl')"
+                    )
+                try:
+                    msgs = as_messages(obj["messages"])
+                except ChatTemplateError as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                conv = [{"role": m.role, "content": m.content} for m in msgs]
+                yield conv
+                if remaining is not None:
+                    remaining -= conversation_bytes(conv)
+                    if remaining <= 0:
+                        return
+
+
 # ---------------------------------------------------------------------------------------
 # Fingerprint and description
 # ---------------------------------------------------------------------------------------
@@ -221,6 +267,10 @@ def source_fingerprint(cfg: DataConfig) -> str:
     else:
         if cfg.source == "jsonl":
             info["jsonl_text_field"] = cfg.jsonl_text_field
+        if cfg.source == "chat-jsonl":
+            from jaxlab.tokenizer.chat import TEMPLATE_VERSION
+
+            info["chat_template_version"] = TEMPLATE_VERSION
         if cfg.source == "stdlib":
             info |= {"python": sys.version, "stdlib": str(stdlib_root())}
         else:

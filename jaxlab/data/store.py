@@ -7,6 +7,9 @@ On disk a store is one directory (written by :func:`jaxlab.data.cache.prepare`):
     train.offsets    raw int64, n_docs + 1 entries: document d is tokens[off[d]:off[d+1]]
     eval.tokens      the same for the held-out documents
     eval.offsets
+    train.mask       only for sources that mask the loss (``chat-jsonl``; meta.json's
+    eval.mask        ``target_mask``): raw uint8, one per token, 1 where that token is a
+                     training target (an assistant reply); absent: every token is one
 
 Nothing here tokenizes; this module only opens, validates and views the files.
 """
@@ -50,13 +53,20 @@ def offsets_filename(split: str) -> str:
     return f"{split}.offsets"
 
 
+def mask_filename(split: str) -> str:
+    return f"{split}.mask"
+
+
 @dataclass(frozen=True)
 class TokenSplit:
-    """One split's token stream and document offsets (both 1-D, usually memmaps)."""
+    """One split's token stream and document offsets (both 1-D, usually memmaps), and for
+    sources that mask the loss, which tokens are training targets (uint8, like ``tokens``;
+    None: all of them)."""
 
     name: str
     tokens: np.ndarray
     doc_offsets: np.ndarray
+    target_mask: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -156,9 +166,12 @@ class TokenStore:
             if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
                 raise CacheError(f"{meta_path}: unsupported dtype {dtype}")
             splits: dict[str, TokenSplit] = {}
+            masked = bool(meta.get("target_mask", False))
             for name in SPLITS:
                 info = meta["splits"][name]
-                splits[name] = _open_split(path, name, dtype, info["n_tokens"], info["n_docs"])
+                splits[name] = _open_split(
+                    path, name, dtype, info["n_tokens"], info["n_docs"], masked
+                )
             return cls(
                 splits,
                 n_vocab=int(meta["n_vocab"]),
@@ -179,27 +192,38 @@ class TokenStore:
         n_vocab: int,
         eot_id: int,
         pad_id: int,
+        target_masks: tuple[Iterable[Sequence[int]], Iterable[Sequence[int]]] | None = None,
     ) -> TokenStore:
         """An in-memory store from token-id documents (eot is appended to each); for tests
-        and small experiments that do not want a cache directory."""
+        and small experiments that do not want a cache directory. ``target_masks``: per
+        split, one 0/1 list per document (its eot gets 0), as a masking source writes."""
         dtype = token_dtype(n_vocab)
         splits: dict[str, TokenSplit] = {}
-        for name, docs in (("train", train_docs), ("eval", eval_docs)):
+        for k, (name, docs) in enumerate((("train", train_docs), ("eval", eval_docs))):
             docs = [[*d, eot_id] for d in docs]
+            mask = None
+            if target_masks is not None:
+                mask = np.array([t for m in target_masks[k] for t in (*m, 0)], dtype=np.uint8)
             lengths = np.array([len(d) for d in docs], dtype=_OFFSET_DTYPE)
             offsets = np.concatenate([np.zeros(1, _OFFSET_DTYPE), np.cumsum(lengths)])
             flat = np.array([t for d in docs for t in d], dtype=np.int64)
             if flat.size and (flat.min() < 0 or flat.max() >= n_vocab):
                 raise ValueError(f"token ids must be in [0, {n_vocab})")
-            splits[name] = TokenSplit(name, flat.astype(dtype), offsets.astype(_OFFSET_DTYPE))
+            if mask is not None and mask.shape != flat.shape:
+                raise ValueError(f"{name}: target mask of {mask.size} for {flat.size} tokens")
+            splits[name] = TokenSplit(name, flat.astype(dtype), offsets.astype(_OFFSET_DTYPE), mask)
         return cls(splits, n_vocab=n_vocab, eot_id=eot_id, pad_id=pad_id)
 
 
 def _open_split(
-    path: Path, name: str, dtype: np.dtype[Any], n_tokens: int, n_docs: int
+    path: Path, name: str, dtype: np.dtype[Any], n_tokens: int, n_docs: int, masked: bool
 ) -> TokenSplit:
     tok_path, off_path = path / tokens_filename(name), path / offsets_filename(name)
-    for p, want in ((tok_path, n_tokens * dtype.itemsize), (off_path, (n_docs + 1) * 8)):
+    mask_path = path / mask_filename(name)
+    sizes = [(tok_path, n_tokens * dtype.itemsize), (off_path, (n_docs + 1) * 8)]
+    if masked:
+        sizes.append((mask_path, n_tokens))
+    for p, want in sizes:
         try:
             size = p.stat().st_size
         except OSError as e:
@@ -209,4 +233,5 @@ def _open_split(
     offsets = _map(off_path, _OFFSET_DTYPE, n_docs + 1)
     if int(offsets[0]) != 0 or int(offsets[-1]) != n_tokens:
         raise CacheError(f"{off_path}: offsets do not span 0..{n_tokens}")
-    return TokenSplit(name, _map(tok_path, dtype, n_tokens), offsets)
+    mask = _map(mask_path, np.dtype(np.uint8), n_tokens) if masked else None
+    return TokenSplit(name, _map(tok_path, dtype, n_tokens), offsets, mask)

@@ -8,6 +8,7 @@ Routes::
     GET  /v1/models        the served model (OpenAI shape)
     POST /v1/generate      native: text, token ids and timings
     POST /v1/completions   OpenAI-compatible subset, ``stream`` = SSE
+    POST /v1/chat/completions  the same for conversations (the chat template's prompt)
 
 HTTP only (its ASGI plumbing is :mod:`jaxlab.serve.asgi`): the service (:mod:`jaxlab.serve.service`) checks and queues requests, and
 their :class:`~jaxlab.serve.output.RequestStream` delivers the results. This module is the
@@ -62,9 +63,12 @@ from jaxlab.serve.output import Event, RequestStream
 from jaxlab.serve.protocol import (
     MAX_SEED,
     ApiError,
+    ChatCompletionBody,
     CompletionBody,
     GenerateBody,
     _Sampling,
+    chat_chunk_doc,
+    chat_completion_doc,
     completion_doc,
     error_body,
     models_doc,
@@ -157,9 +161,11 @@ class ServeApp:
 
     # ---------------------------------------------------------------- generation
 
-    def _request(self, prompt: str, p: _Sampling) -> tuple[Request, int]:
-        """The checked request for ``prompt`` with the body's sampling (server defaults
-        for what it leaves out), and its seed."""
+    def _request(
+        self, prompt: str | list[int], p: _Sampling, stop_token_ids: tuple[int, ...] = ()
+    ) -> tuple[Request, int]:
+        """The checked request for ``prompt`` (text, or token ids) with the body's sampling
+        (server defaults for what it leaves out) and ``stop_token_ids``, and its seed."""
         from jaxlab.infer.sampling import SamplingParams
 
         limit = self.cfg.max_tokens_limit
@@ -180,6 +186,7 @@ class ServeApp:
             top_k=self.inf.top_k if p.top_k is None else p.top_k,
             top_p=self.inf.top_p if p.top_p is None else p.top_p,
             seed=seed,
+            stop_token_ids=stop_token_ids,
             ignore_eos=p.ignore_eos,
         )
         try:
@@ -243,35 +250,112 @@ class ServeApp:
             }
         )
 
+    def served_model(self, requested: str | None) -> str:
+        """The model a request's ``model`` names (None: the default), or 404
+        ``model_not_found``. The one place a request's ``model`` is resolved."""
+        name = self.service.model_name
+        if requested is not None and requested != name:
+            raise ApiError(
+                404,
+                f"model {requested!r} does not exist; this server serves {name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
     async def completions(self, request: HttpRequest) -> Response:
         body = validate(
             CompletionBody, parse_json(await read_body(request, self.cfg.max_body_bytes))
         )
-        if body.model is not None and body.model != self.service.model_name:
-            raise ApiError(
-                404,
-                f"model {body.model!r} does not exist; this server serves "
-                f"{self.service.model_name!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        model = self.served_model(body.model)
         prompt = body.single_prompt()
         req, _ = self._request(prompt, body)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def usage(h: RequestStream) -> dict[str, Any]:
-            return usage_doc(len(req.prompt_ids), len(h.token_ids), h.cached_tokens, h.speculation)
-
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
-            return completion_doc(cid, created, self.service.model_name, text, finish)
+            return completion_doc(cid, created, model, text, finish)
 
         if not body.stream:
             h = await self._complete(request, req)
             doc = chunk(h.output_text, h.finish_reason)
-            doc["usage"] = usage(h)
+            doc["usage"] = _usage(req, h)
             return JSONResponse(doc)
+        return await self._stream(
+            request,
+            req,
+            opening=[],
+            text=lambda text: chunk(text, None),
+            end=lambda reason: chunk("", reason),
+            usage=(
+                (lambda h: {**chunk("", None), "choices": [], "usage": _usage(req, h)})
+                if body.stream_options and body.stream_options.include_usage
+                else None
+            ),
+        )
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        from jaxlab.tokenizer.chat import ChatTemplate, NoChatTokens
+
+        body = validate(
+            ChatCompletionBody, parse_json(await read_body(request, self.cfg.max_body_bytes))
+        )
+        model = self.served_model(body.model)
+        served = self.service.model
+        if served is None:
+            raise api_error(NotAccepting(str(self.service.state)))
+        try:
+            template = ChatTemplate(served.tokenizer)
+        except NoChatTokens as e:
+            raise ApiError(
+                400,
+                f"model {model!r} cannot chat: {e}",
+                param="model",
+                code="chat_template_unavailable",
+            ) from None
+        messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+        prompt = template.render(messages, add_generation_prompt=True).ids
+        try:
+            req, _ = self._request(prompt, body, stop_token_ids=(template.end_id,))
+        except ApiError as e:
+            if e.param == "prompt":  # the rendered conversation is the prompt
+                e.param = "messages"
+            raise
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+            return chat_chunk_doc(cid, created, model, delta, finish)
+
+        if not body.stream:
+            h = await self._complete(request, req)
+            doc = chat_completion_doc(cid, created, model, h.output_text, h.finish_reason)
+            doc["usage"] = _usage(req, h)
+            return JSONResponse(doc)
+        return await self._stream(
+            request,
+            req,
+            opening=[chunk({"role": "assistant", "content": ""}, None)],
+            text=lambda text: chunk({"content": text}, None),
+            end=lambda reason: chunk({}, reason),
+            usage=(
+                (lambda h: {**chunk({}, None), "choices": [], "usage": _usage(req, h)})
+                if body.stream_options and body.stream_options.include_usage
+                else None
+            ),
+        )
+
+    async def _stream(
+        self,
+        request: HttpRequest,
+        req: Request,
+        *,
+        opening: list[dict[str, Any]],
+        text: Callable[[str], dict[str, Any]],
+        end: Callable[[str | None], dict[str, Any]],
+        usage: Callable[[RequestStream], dict[str, Any]] | None,
+    ) -> Response:
+        """``req`` as SSE: the ``opening`` chunks, a ``text`` chunk per new text, the
+        ``end`` chunk with the finish reason, the ``usage`` chunk if asked for, then
+        ``[DONE]``. An error mid-stream is an error object, then ``[DONE]``."""
         h = self._submit(req, stream=True)
         # Wait for the first event before sending the 200 header, so that an error while
         # queued (timeout, shutdown) is still a real HTTP status.
@@ -286,16 +370,18 @@ class ServeApp:
         scope = request.scope
 
         async def events() -> AsyncIterator[str]:
+            for doc in opening:
+                yield sse(doc)
             ev = first
             t_end = h.t_arrival + self._deadline_s()
             while True:
                 if ev.kind == "tokens":
                     if ev.text:
-                        yield sse(chunk(ev.text, None))
+                        yield sse(text(ev.text))
                 elif ev.kind == "done":
-                    yield sse(chunk("", ev.finish_reason))
-                    if include_usage:
-                        yield sse({**chunk("", None), "choices": [], "usage": usage(h)})
+                    yield sse(end(ev.finish_reason))
+                    if usage is not None:
+                        yield sse(usage(h))
                     yield SSE_DONE
                     return
                 else:
@@ -321,6 +407,10 @@ class ServeApp:
                     mark_gone(scope)
 
         return SSEResponse(events(), on_close)
+
+
+def _usage(req: Request, h: RequestStream) -> dict[str, Any]:
+    return usage_doc(len(req.prompt_ids), len(h.token_ids), h.cached_tokens, h.speculation)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -379,6 +469,7 @@ def create_app(service: ModelService, *, manage_service: bool = True) -> Starlet
         ("/v1/models", h.models, ["GET"]),
         ("/v1/generate", h.generate, ["POST"]),
         ("/v1/completions", h.completions, ["POST"]),
+        ("/v1/chat/completions", h.chat_completions, ["POST"]),
     ]
     app = Starlette(
         routes=[Route(path, fn, methods=methods) for path, fn, methods in routes],

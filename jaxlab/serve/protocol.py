@@ -1,13 +1,16 @@
 """The wire format: request bodies and their validation, OpenAI-shaped response and error
 bodies.
 
-Two request schemas:
+Three request schemas:
 
 - :class:`GenerateBody` (``POST /v1/generate``, native): unknown fields are errors.
 - :class:`CompletionBody` (``POST /v1/completions``, the OpenAI subset): unknown fields
   are ignored (clients send ``user`` and the like), and OpenAI features jaxlab does not
   implement (``n > 1``, ``echo``, ``logprobs``, ``best_of``, ``suffix``, penalties,
   ``logit_bias``) are refused with 400 naming the parameter when set to a non-default.
+- :class:`ChatCompletionBody` (``POST /v1/chat/completions``): the same rules, with
+  ``messages`` (roles ``system``, ``user``, ``assistant``; string contents) for the prompt;
+  tools, response formats and logprobs are refused the same way.
 
 :func:`validate` checks a body in two steps: its shape (pydantic, strict types: 422 for a
 wrong type, a missing or an unknown field), then its values (:meth:`Body.check`: 400
@@ -22,7 +25,7 @@ knows the model, the scheduler or the domain errors (:mod:`jaxlab.serve.app` map
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -160,6 +163,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _refuse_unsupported(body: BaseModel, unsupported: dict[str, tuple[Any, ...]]) -> None:
+    """400 naming the first field of ``unsupported`` set to a value jaxlab does not take."""
+    for name, takes in unsupported.items():
+        value = getattr(body, name)
+        if (value is None and None in takes) or any(value == v for v in takes if v is not None):
+            continue
+        raise ApiError(
+            400,
+            f"{name} = {shown(value)} is not supported by jaxlab serve; send "
+            f"{' or '.join(json.dumps(v) for v in takes)}, or leave it out",
+            param=name,
+            code="unsupported",
+        )
+
+
 class CompletionBody(_Sampling):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -191,17 +209,67 @@ class CompletionBody(_Sampling):
 
     def check(self) -> None:
         super().check()
-        for name, takes in UNSUPPORTED.items():
-            value = getattr(self, name)
-            if (value is None and None in takes) or any(value == v for v in takes if v is not None):
-                continue
-            raise ApiError(
-                400,
-                f"{name} = {shown(value)} is not supported by jaxlab serve; send "
-                f"{' or '.join(json.dumps(v) for v in takes)}, or leave it out",
-                param=name,
-                code="unsupported",
-            )
+        _refuse_unsupported(self, UNSUPPORTED)
+
+
+class ChatMessage(BaseModel):
+    """One message; other fields OpenAI defines (``name``) are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+#: OpenAI chat fields jaxlab does not implement -> the values it takes.
+CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class ChatCompletionBody(_Sampling):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    #: OpenAI's newer name for ``max_tokens``; the two must agree when both are sent.
+    max_completion_tokens: int | None = None
+    n: int = 1
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+
+    def check(self) -> None:
+        if not self.messages:
+            raise _invalid("messages", "messages must hold at least one message (got [])")
+        new = self.max_completion_tokens
+        if new is not None:
+            if self.max_tokens is not None and self.max_tokens != new:
+                raise _invalid(
+                    "max_completion_tokens",
+                    f"max_completion_tokens = {new} disagrees with max_tokens = "
+                    f"{self.max_tokens}; send one of them",
+                )
+            self.max_tokens = new
+        super().check()
+        _refuse_unsupported(self, self.unsupported)
 
 
 def completion_doc(
@@ -212,6 +280,40 @@ def completion_doc(
     return {
         "id": cid,
         "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def chat_completion_doc(
+    cid: str, created: int, model: str, content: str, finish_reason: str | None
+) -> dict[str, Any]:
+    """A ``chat.completion``: one assistant message."""
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": content},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def chat_chunk_doc(
+    cid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``: the first carries the role, then content deltas, the
+    last an empty delta and the finish reason."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "choices": [choice],
@@ -296,15 +398,20 @@ def validate(model: type[B], data: dict[str, Any]) -> B:
 
 
 __all__ = [
+    "CHAT_UNSUPPORTED",
     "MAX_SEED",
     "MAX_STOP_STRINGS",
     "RANGES",
     "UNSUPPORTED",
     "ApiError",
     "Body",
+    "ChatCompletionBody",
+    "ChatMessage",
     "CompletionBody",
     "GenerateBody",
     "StreamOptions",
+    "chat_chunk_doc",
+    "chat_completion_doc",
     "completion_doc",
     "error_body",
     "models_doc",

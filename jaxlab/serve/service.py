@@ -352,8 +352,10 @@ class ModelService:
 
     # ------------------------------------------------------------------ requests
 
-    def request(self, prompt: str, sampling: SamplingParams, stop: Sequence[str] = ()) -> Request:
-        """``prompt`` encoded and checked against the model (``Request.create``, the one
+    def request(
+        self, prompt: str | Sequence[int], sampling: SamplingParams, stop: Sequence[str] = ()
+    ) -> Request:
+        """``prompt`` (text, or token ids such as a rendered chat) encoded and checked against the model (``Request.create``, the one
         check a request gets) and the KV pool (a request that could never fit it is refused
         here, never queued). Raises :class:`NotAccepting` unless ``ready``, and
         ``BadRequest``/``RequestTooLong``."""
@@ -362,7 +364,8 @@ class ModelService:
         model, limits, sched = self.model, self._limits, self.scheduler
         if self.state != ModelState.READY or model is None or limits is None or sched is None:
             raise NotAccepting(str(self.state))
-        req = Request.create(model.tokenizer.encode(prompt), sampling, limits, stop=stop)
+        ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        req = Request.create(ids, sampling, limits, stop=stop)
         problem = sched.refusal(req)
         if problem is not None:
             raise RequestTooLong(problem, param="prompt")

@@ -39,6 +39,14 @@ ENDOFTEXT = "<|endoftext|>"
 PAD = "<|pad|>"
 # Special tokens get the ids right after the learned ranks, in this order.
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, PAD)
+# The chat template's tokens (``jaxlab.tokenizer.chat``): a tokenizer trained with
+# ``tokenizer.chat_tokens = true`` appends them after SPECIAL_TOKENS, in this order, so
+# every id a tokenizer without them gives is unchanged.
+SYSTEM = "<|system|>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+END_OF_TURN = "<|end|>"
+CHAT_TOKENS: tuple[str, ...] = (SYSTEM, USER, ASSISTANT, END_OF_TURN)
 
 N_BYTE_TOKENS = 256
 MIN_VOCAB_SIZE = N_BYTE_TOKENS + len(SPECIAL_TOKENS)  # 258: bytes + specials, no merges

@@ -2,8 +2,10 @@
 
 tiktoken does all encoding and decoding (it is fast Rust and applies BPE by lowest rank
 first, exactly the priority our trainer records). This module adds what the lab needs
-around it: the two special tokens at fixed ids, a stable content hash, and a save/load
-format that is tiktoken's own rank file plus a small JSON metadata file.
+around it: the two special tokens at fixed ids (and, with ``chat=True``, the four chat
+tokens after them), a stable content hash, and a save/load format that is tiktoken's own
+rank file plus a small JSON metadata file. A tokenizer saved without the chat tokens loads
+and encodes exactly as before (its ``special_tokens`` and sha256 are unchanged).
 
 On disk (``Tokenizer.save``)::
 
@@ -25,8 +27,10 @@ from typing import Any, Literal, get_args
 import tiktoken
 
 from jaxlab.tokenizer.bpe import (
+    CHAT_TOKENS,
     ENDOFTEXT,
     GPT2_PAT_STR,
+    MIN_VOCAB_SIZE,
     N_BYTE_TOKENS,
     PAD,
     SPECIAL_TOKENS,
@@ -103,7 +107,9 @@ class Tokenizer:
     """Byte-level BPE tokenizer; every encode/decode call goes straight to tiktoken.
 
     Ids ``0..n_ranks-1`` are the mergeable ranks (the first 256 are single bytes), then
-    ``eot_id == n_ranks`` (``<|endoftext|>``) and ``pad_id == n_ranks + 1`` (``<|pad|>``).
+    ``eot_id == n_ranks`` (``<|endoftext|>``) and ``pad_id == n_ranks + 1`` (``<|pad|>``);
+    with ``chat=True`` the chat tokens (:data:`~jaxlab.tokenizer.bpe.CHAT_TOKENS`) follow
+    at ``n_ranks + 2 ...``.
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class Tokenizer:
         name: str,
         kind: TokenizerKind,
         pat_str: str = GPT2_PAT_STR,
+        chat: bool = False,
     ) -> None:
         if kind not in get_args(TokenizerKind):
             raise ValueError(
@@ -122,7 +129,8 @@ class Tokenizer:
         n_ranks = len(mergeable_ranks)
         self._kind: TokenizerKind = kind
         self._ranks = dict(mergeable_ranks)  # private copy: the hash must stay valid
-        self._special_tokens = {tok: n_ranks + i for i, tok in enumerate(SPECIAL_TOKENS)}
+        specials = SPECIAL_TOKENS + (CHAT_TOKENS if chat else ())
+        self._special_tokens = {tok: n_ranks + i for i, tok in enumerate(specials)}
         self._pat_str = pat_str
         self._ranks_blob = ranks_file_bytes(self._ranks)
         self._sha256 = _content_sha256(self._ranks_blob, self._special_tokens, pat_str)
@@ -156,6 +164,11 @@ class Tokenizer:
     @property
     def pad_id(self) -> int:
         return self._special_tokens[PAD]
+
+    @property
+    def has_chat_tokens(self) -> bool:
+        """Whether the chat template's tokens are in the vocabulary (``chat=True``)."""
+        return CHAT_TOKENS[0] in self._special_tokens
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -275,7 +288,8 @@ class Tokenizer:
                 "modified or corrupted after saving"
             )
         ranks = parse_ranks_file(blob, source=str(ranks_path))
-        tok = cls(ranks, name=name, kind=kind, pat_str=pat_str)
+        chat = set(CHAT_TOKENS) <= special_tokens.keys()
+        tok = cls(ranks, name=name, kind=kind, pat_str=pat_str, chat=chat)
         # Both are implied by a matching hash of a file we wrote; checked so a hand-edited
         # tokenizer.json fails loudly rather than giving different ids.
         if tok.special_tokens != special_tokens or tok.n_vocab != n_vocab:
@@ -286,15 +300,27 @@ class Tokenizer:
         return tok
 
 
-def byte_tokenizer() -> Tokenizer:
-    """The plain byte tokenizer: 256 single-byte ranks, no merges, + 2 specials (258 ids)."""
-    return Tokenizer(byte_ranks(), name="jaxlab-byte", kind="byte")
+def byte_tokenizer(*, chat: bool = False) -> Tokenizer:
+    """The plain byte tokenizer: 256 single-byte ranks, no merges, + 2 specials (258 ids);
+    with ``chat``, + the 4 chat tokens (262 ids)."""
+    return Tokenizer(byte_ranks(), name="jaxlab-byte", kind="byte", chat=chat)
 
 
-def bpe_tokenizer(texts: Iterable[str], vocab_size: int, *, name: str | None = None) -> Tokenizer:
+def bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int, *, name: str | None = None, chat: bool = False
+) -> Tokenizer:
     """Train BPE on ``texts`` (see ``train_bpe``) and wrap the ranks in a ``Tokenizer``.
 
-    ``n_vocab == vocab_size`` unless the corpus ran out of pairs first (then it is smaller).
+    ``vocab_size`` counts every id, the chat tokens included (``chat``): they take the
+    place of the last merges. ``n_vocab == vocab_size`` unless the corpus ran out of pairs
+    first (then it is smaller).
     """
-    ranks = train_bpe(texts, vocab_size)
-    return Tokenizer(ranks, name=name or f"jaxlab-bpe-{vocab_size}", kind="bpe")
+    n_chat = len(CHAT_TOKENS) if chat else 0
+    if chat and vocab_size - n_chat < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"tokenizer.vocab_size must be >= {MIN_VOCAB_SIZE + n_chat} with "
+            f"tokenizer.chat_tokens = true ({MIN_VOCAB_SIZE} + {n_chat} chat tokens), "
+            f"got {vocab_size}"
+        )
+    ranks = train_bpe(texts, vocab_size - n_chat)
+    return Tokenizer(ranks, name=name or f"jaxlab-bpe-{vocab_size}", kind="bpe", chat=chat)

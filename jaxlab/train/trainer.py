@@ -132,7 +132,7 @@ def build_tokenizer(cfg: JaxlabConfig) -> Tokenizer:
     if t.path:
         return Tokenizer.load(t.path)
     if t.kind == "byte":
-        return byte_tokenizer()
+        return byte_tokenizer(chat=t.chat_tokens)
 
     def head() -> Iterator[str]:
         budget = t.train_bytes
@@ -142,7 +142,7 @@ def build_tokenizer(cfg: JaxlabConfig) -> Tokenizer:
             yield doc
             budget -= len(doc.encode("utf-8"))
 
-    return bpe_tokenizer(head(), t.vocab_size)
+    return bpe_tokenizer(head(), t.vocab_size, chat=t.chat_tokens)
 
 
 def tokenizer_for_run(cfg: JaxlabConfig, run_dir: RunDir) -> Tokenizer:

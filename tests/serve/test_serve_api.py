@@ -468,6 +468,17 @@ def test_error_paths_are_openai_shaped_and_never_500(server):
     )
 
 
+def test_chat_on_a_tokenizer_without_chat_tokens_is_400_naming_the_fix(server):
+    # This run's byte tokenizer was trained without the chat tokens.
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "jaxlab", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    err = assert_error(r, 400, "chat_template_unavailable")
+    assert err["param"] == "model" and "tokenizer.chat_tokens = true" in err["message"]
+    assert "/v1/completions" in err["message"] or "completions" in err["message"]
+
+
 def test_a_ready_server_has_frozen_its_startup_heap_and_thaws_it_on_stop(model, cfg):
     """A full collection skips what the server built before ``ready`` (see
     ``jaxlab.serve.service._freeze_startup_heap``), and stopping gives the freeze back."""

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve_api import OVERRIDES, RUN_STEPS, load_model, metric, metrics, offline, train_tiny
+from conftest import RUN_STEPS, train_tiny
+from test_serve_api import OVERRIDES, load_model, metric, metrics, offline
 
 from jaxlab.config import JaxlabConfig
 from jaxlab.serve import ModelService, ServerThread, serve_config
