@@ -14,7 +14,10 @@ from typing import Annotated, Any
 
 import typer
 
-from jaxlab.cli.common import JsonOpt, UsageProblem, console, emit_json
+from jaxlab.cli.common import JsonOpt, SetOpt, UsageProblem, console, emit_json
+
+#: The sections ``jaxlab generate`` takes from the environment and ``--set``.
+GENERATE_SECTIONS = ("inference", "runtime")
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -122,9 +125,14 @@ def register(app: typer.Typer) -> None:
                 " The output is the same (greedy) or follows the same distribution (sampled).",
             ),
         ] = None,
+        set_: SetOpt = None,
         json_: JsonOpt = False,
     ) -> None:
-        """Generate text from a checkpoint (KV-cached, decode loop inside jit)."""
+        """Generate text from a checkpoint (KV-cached, decode loop inside jit).
+
+        The model, tokenizer and training sections are the run's; inference.* and runtime.*
+        take JAXLAB_* variables and --set over the run's config.toml.
+        """
         text_prompt = _read_prompt(prompt, prompt_file)
         spec_choice = _speculative_choice(speculative)
         sampled = {
@@ -139,7 +147,9 @@ def register(app: typer.Typer) -> None:
         rd = RunDir(run_dir)
         if not rd.exists():
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
-        cfg = rd.load_config()
+        from jaxlab.config.run_config import run_config
+
+        cfg = run_config(run_dir, set_ or [], GENERATE_SECTIONS, "jaxlab generate")
         from jaxlab.runtime import configure_runtime
 
         configure_runtime(cfg.runtime)  # before jax is imported
@@ -153,7 +163,7 @@ def register(app: typer.Typer) -> None:
         from jaxlab.tokenizer import Detokenizer
 
         try:
-            run = load_run(run_dir, step)
+            run = load_run(run_dir, step, cfg=cfg)
         except CheckpointNotFound as e:
             raise UsageProblem(str(e)) from None
         if run.note is not None:

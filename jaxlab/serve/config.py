@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxlab.config import ConfigError, JaxlabConfig, resolve_config
+from jaxlab.config import ConfigError, JaxlabConfig
+from jaxlab.config.run_config import run_config
 
 #: Sections a ``jaxlab serve`` override may touch.
 SERVE_SECTIONS = ("serve", "inference", "runtime")
@@ -32,23 +33,8 @@ def serve_config(
     ``serve_fields`` (e.g. ``host="0.0.0.0", port=0, slots=8``) override ``serve.*`` last;
     ``None`` values are ignored. Raises :class:`~jaxlab.config.ConfigError`.
     """
-    config_path = Path(run_dir) / "config.toml"
-    if not config_path.is_file():
-        raise ConfigError([f"{run_dir}: not a run directory (no config.toml)"])
-    bad = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] not in SERVE_SECTIONS]
-    if bad:
-        raise ConfigError(
-            [
-                f"--set {o}: jaxlab serve only overrides {', '.join(s + '.*' for s in SERVE_SECTIONS)}"
-                " (the model, tokenizer and training sections come from the run)"
-                for o in bad
-            ]
-        )
-    stored = resolve_config(config_path, (), environ={}).config
-    resolved = resolve_config(config_path, overrides, environ).config
-    data = stored.model_dump()
-    for section in SERVE_SECTIONS:
-        data[section] = getattr(resolved, section).model_dump()
+    cfg = run_config(run_dir, overrides, SERVE_SECTIONS, "jaxlab serve", environ=environ)
+    data = cfg.model_dump()
     for key, value in serve_fields.items():
         if value is not None:
             data["serve"][key] = value

@@ -209,3 +209,28 @@ def test_a_draft_run_is_checked_before_loading(tmp_path):
     problem = draft_dir_problem(target, other) or ""
     assert "bbbbbbbbbbbb" in problem and "aaaaaaaaaaaa" in problem and "tokenizer.path" in problem
     assert "not a run directory" in (draft_dir_problem(target, tmp_path / "none") or "")
+
+
+def test_generate_takes_inference_overrides_but_not_model_ones(run_dir):
+    """inference.* and runtime.* come from JAXLAB_* variables and --set over the run's config
+    (--set last); the model's sections are the checkpoint's, and overriding one is exit 2."""
+    args = ("--prompt", PROMPT, "--max-new-tokens", "4", "--json")
+    env = {"JAXLAB_INFERENCE__PREFILL_BUCKETS": "[64]"}
+    by_env = run_cli("generate", "--run-dir", str(run_dir), *args, env=env)
+    assert by_env.returncode == 0, by_env.stderr
+    assert by_env.json()["bucket"] == 64  # the run's config says [32, ...]
+    by_set = run_cli(
+        "generate",
+        "--run-dir",
+        str(run_dir),
+        *args,
+        "--set",
+        "inference.prefill_buckets=[128]",
+        env=env,
+    )
+    assert by_set.returncode == 0, by_set.stderr
+    assert by_set.json()["bucket"] == 128
+    assert by_set.json()["token_ids"] == by_env.json()["token_ids"]
+    bad = generate(run_dir, *args, "--set", "model.n_layers=1")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--set model.n_layers=1" in bad.stderr and "inference.*, runtime.*" in bad.stderr
