@@ -267,7 +267,8 @@ def merge(cfg: ModelConfig, params: Any, weights: Weights, scale: float) -> Any:
     stacked = "stacked" in blocks
 
     def layer_params(i: int) -> Any:
-        return blocks["stacked"] if stacked else blocks[i]
+        # A checkpoint read without a target keys the blocks "0", "1", ...
+        return blocks["stacked"] if stacked else blocks[i if i in blocks else str(i)]
 
     def fold(holder: dict[str, Any], key: str, i: int, d: Array, cols: slice | None) -> None:
         w = holder[key]
