@@ -97,7 +97,7 @@ def initial_params(
 
 
 def init_state(
-    params: nnx.State,
+    params: Any,
     tx: optax.GradientTransformation,
     seed: int,
     *,
