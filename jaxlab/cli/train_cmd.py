@@ -260,10 +260,11 @@ def _restore(trainer: Trainer, step: str) -> int:
     On any failure the trainer is closed before the error propagates: an open one would
     leave Orbax's threads running into interpreter shutdown."""
     from jaxlab.checkpoint import CheckpointNotFound
+    from jaxlab.train.base import BaseRunError
 
     try:
         restored = trainer.restore(step)
-    except CheckpointNotFound as e:
+    except (CheckpointNotFound, BaseRunError) as e:
         trainer.close()
         raise UsageProblem(str(e)) from None
     except BaseException:

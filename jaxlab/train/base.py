@@ -87,7 +87,6 @@ def quiet_orbax() -> Iterator[None]:
 
 
 def _checkpointer(run_dir: Path) -> Any:
-    from jaxlab.checkpoint import Checkpointer
     from jaxlab.train.run_dir import RunDir
 
     rd = RunDir(run_dir)
@@ -95,6 +94,8 @@ def _checkpointer(run_dir: Path) -> Any:
         raise BaseRunError(f"--from {run_dir}: not a run directory (no config.toml)")
     if not rd.checkpoint_dir.is_dir():
         raise BaseRunError(f"--from {run_dir}: the run has no checkpoints/ to start from")
+    from jaxlab.checkpoint import Checkpointer  # after the cheap checks: it imports jax
+
     with quiet_orbax():
         return Checkpointer(rd.checkpoint_dir, read_only=True)
 

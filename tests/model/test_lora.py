@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
 from jaxlab.model import lora, make_model, split_model
+from jaxlab.model.quant import quantize_dense
 
 F32 = PrecisionConfig()
 TARGETS = ("q", "k", "v", "o", "mlp")
@@ -146,3 +147,42 @@ def test_a_mixed_adapter_batch_decodes_each_row_with_its_adapter():
         one = run(slice(row, row + 1), alone[int(i)])
         for m, o in zip(mixed, one, strict=True):
             np.testing.assert_allclose(m[row : row + 1], o, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "save_qkv_out_proj"])
+def test_remat_keeps_the_adapted_loss_and_adapter_grads(policy):
+    cfg = tiny()
+    tokens, positions = inputs()
+    w = trained_like(cfg, 4, TARGETS, seed=4)
+
+    def grads(model: Any) -> tuple[Any, Any]:
+        graphdef, params = split_model(model)
+
+        def loss(weights: Any) -> jax.Array:
+            m = nnx.merge(graphdef, params)
+            return jnp.mean(m(tokens, positions, lora=lora.Lora.single(weights, 2.0)) ** 2)
+
+        return jax.jit(jax.value_and_grad(loss))(w)
+
+    ref_loss, ref = grads(make_model(cfg, F32, 0))
+    got_loss, got = grads(make_model(cfg, F32, 0, remat=policy))
+    np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_adapters_sit_on_int8_weights_too():
+    """The int8 inference path (QuantizedKernel) takes adapters: a zero B is the int8 model."""
+    cfg = tiny()
+    graphdef, params = split_model(make_model(cfg, F32, 0))
+    qmodel = nnx.merge(graphdef, quantize_dense(params))
+    tokens, positions = inputs()
+    w = lora.init_weights(cfg, 4, TARGETS, jax.random.PRNGKey(1))
+    base = np.asarray(qmodel(tokens, positions))
+    np.testing.assert_array_equal(
+        np.asarray(qmodel(tokens, positions, lora=lora.Lora.single(w, 2.0))), base
+    )
+    trained = trained_like(cfg, 4, TARGETS, seed=2)
+    assert not np.allclose(
+        np.asarray(qmodel(tokens, positions, lora=lora.Lora.single(trained, 2.0))), base
+    )
