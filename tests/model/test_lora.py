@@ -4,6 +4,7 @@ what that row gives alone, in the sequence forward and the cached (prefill/decod
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -46,14 +47,23 @@ def trained_like(cfg: ModelConfig, rank: int, targets: tuple[str, ...], seed: in
     }
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef: Any, params: Any, tokens: jax.Array, positions: jax.Array, adapters: Any):
+    return nnx.merge(graphdef, params)(tokens, positions, lora=adapters)
+
+
 def logits(model: Any, tokens: jax.Array, positions: jax.Array, adapters: Any = None) -> np.ndarray:
+    """The jitted forward (one compile per graph, shapes and adapter layout)."""
     graphdef, params = split_model(model)
+    return np.asarray(_forward(graphdef, params, tokens, positions, adapters))
 
-    @jax.jit
-    def fwd(params: Any, adapters: Any) -> jax.Array:
-        return nnx.merge(graphdef, params)(tokens, positions, lora=adapters)
 
-    return np.asarray(fwd(params, adapters))
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill_decode(graphdef: Any, params: Any, tokens, positions, nxt, pos, adapters: Any):
+    model = nnx.merge(graphdef, params)
+    h, cache = model.prefill(tokens, positions, 16, lora=adapters)
+    d, _ = model.decode(nxt, pos, cache, lora=adapters)
+    return model.logits(h[:, -1]), model.logits(d)
 
 
 @SETTINGS
@@ -136,10 +146,13 @@ def test_a_mixed_adapter_batch_decodes_each_row_with_its_adapter():
     tokens, positions = inputs(b=3, t=6, seed=7)
     nxt, pos = jnp.asarray([3, 4, 5], jnp.int32), jnp.full((3,), 6, jnp.int32)
 
-    def run(rows: slice, adapters: Any) -> tuple[np.ndarray, np.ndarray]:
-        h, cache = model.prefill(tokens[rows], positions[rows], 16, lora=adapters)
-        d, _ = model.decode(nxt[rows], pos[rows], cache, lora=adapters)
-        return np.asarray(model.logits(h[:, -1])), np.asarray(model.logits(d))
+    graphdef, params = split_model(model)
+
+    def run(rows: slice, adapters: Any) -> tuple[np.ndarray, ...]:
+        out = _prefill_decode(
+            graphdef, params, tokens[rows], positions[rows], nxt[rows], pos[rows], adapters
+        )
+        return tuple(np.asarray(o) for o in out)
 
     mixed = run(slice(None), lora.Lora(weights, scale, ids))
     alone = {0: None, 1: lora.Lora.single(w1, 2.0), 2: lora.Lora.single(w2, 1.0)}

@@ -27,6 +27,7 @@ def sets(tmp_path: Path, *more: str) -> list[str]:
         "data.synthetic_docs=200",
         "train.log_every_steps=5",
         "checkpoint.every_steps=5",
+        "train.eval_batches=1",
         *more,
     ]
     return [x for s in common for x in ("--set", s)]
