@@ -29,19 +29,39 @@ def variant_of(cfg: JaxlabConfig) -> str:
 
 
 class StepRunner:
-    """A compiled train step plus its state and one device batch, ready to be timed."""
+    """A compiled train step plus its state and one device batch, ready to be timed.
 
-    def __init__(self, cfg: JaxlabConfig, batch_size: int, grad_accum_steps: int):
+    With ``lora`` (a :class:`~jaxlab.config.schema.LoraConfig`) the step trains adapters of
+    that shape on a frozen base (the model's initial parameters), as a LoRA run does: the
+    state holds the adapters and their optimizer state, the base is the step's third
+    argument (:attr:`frozen`)."""
+
+    def __init__(self, cfg: JaxlabConfig, batch_size: int, grad_accum_steps: int, lora: Any = None):
         import jax
         import jax.numpy as jnp
         import numpy as np
 
+        from jaxlab.model import lora as lora_math
         from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
-        from jaxlab.train.step import init_state, initial_params, make_train_step
+        from jaxlab.train.step import (
+            LoraSpec,
+            cast_tree,
+            init_state,
+            initial_params,
+            make_train_step,
+        )
 
         t = cfg.train
         graphdef, params = initial_params(cfg.model, t.precision, 0, remat=t.remat)
         master = t.precision.master_dtype is not None
+        #: The step's arguments after (state, batch): a LoRA step's frozen base.
+        self.frozen: tuple[Any, ...] = ()
+        spec = None
+        if lora is not None:
+            spec = LoraSpec(lora_math.scale_of(lora.alpha, lora.rank), lora.dropout)
+            self.frozen = (cast_tree(params, t.precision.param_dtype),)
+            params = lora_math.init_weights(cfg.model, lora.rank, lora.targets, jax.random.key(0))
+            master = False
         tx = make_optimizer(t)
         step = make_train_step(
             graphdef,
@@ -49,6 +69,7 @@ class StepRunner:
             learning_rate_schedule(t),
             grad_accum_steps=grad_accum_steps,
             dropout=cfg.model.dropout_rate > 0,
+            lora=spec,
         )
         self.jitted = jax.jit(step, donate_argnums=0)
         seq = cfg.data.seq_len
@@ -70,7 +91,7 @@ class StepRunner:
     def compile(self) -> float:
         """Trace, lower and compile the step; returns the total seconds (:attr:`stages`)."""
         t0 = time.perf_counter()
-        traced = self.jitted.trace(self.state, self.batch)
+        traced = self.jitted.trace(self.state, self.batch, *self.frozen)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
@@ -109,7 +130,7 @@ class StepRunner:
         return out
 
     def __call__(self) -> Any:
-        self.state, metrics = self.compiled(self.state, self.batch)
+        self.state, metrics = self.compiled(self.state, self.batch, *self.frozen)
         return self.state, metrics
 
 

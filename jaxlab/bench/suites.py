@@ -52,6 +52,7 @@ BUILTIN_SUITE_MODULES: tuple[str, ...] = (
     "jaxlab.bench.peer_suite",
     "jaxlab.bench.serve_suite",
     "jaxlab.bench.knobs",
+    "jaxlab.bench.lora_suite",
     "jaxlab.bench.speculative",
 )
 # CLI subcommand names a suite may not take (``peak`` is both, on purpose).

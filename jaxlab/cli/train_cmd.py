@@ -1,4 +1,5 @@
-"""``jaxlab train``, ``jaxlab resume`` and ``jaxlab eval``."""
+"""``jaxlab train`` (also ``--from`` a base run), ``jaxlab resume``, ``jaxlab eval`` and
+``jaxlab merge``."""
 
 from __future__ import annotations
 
@@ -259,10 +260,11 @@ def _restore(trainer: Trainer, step: str) -> int:
     On any failure the trainer is closed before the error propagates: an open one would
     leave Orbax's threads running into interpreter shutdown."""
     from jaxlab.checkpoint import CheckpointNotFound
+    from jaxlab.train.base import BaseRunError
 
     try:
         restored = trainer.restore(step)
-    except CheckpointNotFound as e:
+    except (CheckpointNotFound, BaseRunError) as e:
         trainer.close()
         raise UsageProblem(str(e)) from None
     except BaseException:
@@ -285,13 +287,49 @@ def _configure(cfg: Any) -> None:
     initialize(cfg.runtime)
 
 
+def _trainer(cfg: Any, run_dir: Path) -> Trainer:
+    """A :class:`Trainer`; a base that cannot be used (missing, or not the one this run was
+    started from) is a usage error."""
+    from jaxlab.train.base import BaseRunError
+    from jaxlab.train.trainer import Trainer
+
+    try:
+        return Trainer(cfg, run_dir)
+    except BaseRunError as e:
+        raise UsageProblem(str(e)) from None
+
+
+def _from_base(cfg: Any, base_dir: Path) -> Any:
+    """``cfg`` adopting the base run's model and tokenizer (``train --from``); a bad base is
+    a usage error."""
+    from jaxlab.train import base as base_run
+
+    try:
+        ref, base_cfg = base_run.resolve(base_dir)
+    except base_run.BaseRunError as e:
+        raise UsageProblem(str(e)) from None
+    return base_run.adopt(cfg, base_cfg, ref)
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
-        epilog="Example: jaxlab train --config tiny --steps 50 --run-dir artifacts/runs/demo"
+        epilog="Examples: jaxlab train --config tiny --steps 50 --run-dir artifacts/runs/demo\n\n"
+        "jaxlab train --from artifacts/runs/demo --set data.source=... "
+        "--set train.lora.rank=8 --run-dir artifacts/runs/demo-lora"
     )
     def train(
         config: ConfigOpt = "tiny",
         set_: SetOpt = None,
+        from_: Annotated[
+            Path | None,
+            typer.Option(
+                "--from",
+                help="Start from this run's newest checkpoint: its parameters, model and "
+                "tokenizer, a fresh optimizer and step 0 (full fine-tuning; with train.lora.* "
+                "set, LoRA adapters on the frozen base). The run records the base's path and "
+                "params hash.",
+            ),
+        ] = None,
         steps: StepsOpt = None,
         run_dir: Annotated[
             Path | None, typer.Option("--run-dir", help="Default artifacts/runs/<run_id>.")
@@ -303,7 +341,12 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Train a model from a config; checkpoints, metrics and manifest go to the run dir."""
-        cfg = resolve(config, set_).config
+        sets = list(set_ or [])
+        if from_ is not None:
+            sets.append(f"train.init_from={str(from_.absolute())!r}")
+        cfg = resolve(config, sets).config
+        if cfg.train.init_from is not None:
+            cfg = _from_base(cfg, Path(cfg.train.init_from))
         if profile is not None:  # the run's bounds are known now: fail before any work
             _profile_steps(profile, 0, steps or cfg.train.steps)
         if processes > 1:
@@ -315,6 +358,7 @@ def register(app: typer.Typer) -> None:
             args = ["train", "--run-dir", str(path)]
             args += ["--config", config] if config else []
             args += [x for s in (set_ or []) for x in ("--set", s)]
+            args += ["--from", str(from_)] if from_ is not None else []
             args += ["--steps", str(steps)] if steps else []
             args += ["--profile", profile] if profile else []
             args += ["--json"] if json_ else []
@@ -322,7 +366,6 @@ def register(app: typer.Typer) -> None:
         _configure(cfg)
         from jaxlab.train import new_run_id
         from jaxlab.train.run_dir import RunDir
-        from jaxlab.train.trainer import Trainer
 
         path = run_dir or Path(cfg.runtime.artifacts_dir) / "runs" / new_run_id()
         if RunDir(path).exists():
@@ -330,7 +373,7 @@ def register(app: typer.Typer) -> None:
                 f"--run-dir {path} already holds a run; use 'jaxlab resume --run-dir {path}' "
                 "or a new directory"
             )
-        trainer = Trainer(cfg, path)
+        trainer = _trainer(cfg, path)
         _run(trainer, steps, json_, profile)
 
     @app.command(epilog="Example: jaxlab resume --run-dir artifacts/runs/demo --steps 100")
@@ -349,9 +392,7 @@ def register(app: typer.Typer) -> None:
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         cfg = rd.load_config(env_may_change=PER_PROCESS_FIELDS)
         _configure(cfg)
-        from jaxlab.train.trainer import Trainer
-
-        trainer = Trainer(cfg, run_dir)
+        trainer = _trainer(cfg, run_dir)
         restored = _restore(trainer, step)
         console.print(f"resumed from step {restored}", markup=False)
         _run(trainer, steps, json_, profile)
@@ -383,9 +424,7 @@ def register(app: typer.Typer) -> None:
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         cfg = rd.load_config(env_may_change=PER_PROCESS_FIELDS)
         _configure(cfg)
-        from jaxlab.train.trainer import Trainer
-
-        trainer = Trainer(cfg, run_dir)
+        trainer = _trainer(cfg, run_dir)
         restored = _restore(trainer, step)
         with trainer:
             result: dict[str, Any] = {
@@ -416,3 +455,39 @@ def register(app: typer.Typer) -> None:
                 f" {q['greedy_agreement']:.4f}",
                 markup=False,
             )
+
+    @app.command(
+        epilog="Example: jaxlab merge --run-dir artifacts/runs/demo-lora --out "
+        "artifacts/runs/demo-merged"
+    )
+    def merge(
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="The LoRA run.")],
+        out: Annotated[Path, typer.Option("--out", help="The merged run's new directory.")],
+        step: StepOpt = "latest",
+        json_: JsonOpt = False,
+    ) -> None:
+        """Fold a LoRA run's adapter into its base (W + A B alpha/rank) and write a full run
+        directory that generate, eval, serve and resume read like any other."""
+        from jaxlab.train.adapter import lora_config
+        from jaxlab.train.base import BaseRunError
+
+        try:
+            cfg = lora_config(run_dir)
+        except BaseRunError as e:
+            raise UsageProblem(f"--run-dir {e}") from None
+        _configure(cfg)
+        from jaxlab.checkpoint import CheckpointNotFound
+        from jaxlab.train.adapter import merge_run
+
+        try:
+            summary = merge_run(run_dir, out, None if step == "latest" else int(step))
+        except (BaseRunError, CheckpointNotFound) as e:
+            raise UsageProblem(str(e)) from None
+        if json_:
+            emit_json(summary)
+            return
+        console.print(
+            f"merged {run_dir} (step {summary['step']}) into its base: {summary['run_dir']}",
+            markup=False,
+            soft_wrap=True,
+        )

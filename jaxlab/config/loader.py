@@ -17,11 +17,13 @@ import hashlib
 import json
 import os
 import tomllib
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union
 
 import tomli_w
 from pydantic import BaseModel, ValidationError
@@ -228,7 +230,10 @@ def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return None
         ann = model.model_fields[part].annotation
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        # An optional section (``train.lora``) is ``Section | None``: its section.
+        options = typing.get_args(ann) if typing.get_origin(ann) in (Union, UnionType) else (ann,)
+        found = [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = found[0] if found else None
     return model
 
 

@@ -291,6 +291,36 @@ RematPolicy = Literal[
 ]
 
 
+#: ``train.lora.targets``: the projections an adapter can sit on (``jaxlab.model.lora``).
+LoraTarget = Literal["q", "k", "v", "o", "mlp"]
+
+
+class LoraConfig(Section):
+    """LoRA fine-tuning (``docs/lora.md``): low-rank adapters on the base's projections; only
+    they train."""
+
+    rank: int = Field(default=8, ge=1, le=1024, description="Rank of every adapter (A, B).")
+    alpha: float = Field(
+        default=16.0, gt=0, description="Scale numerator: the update is (x A B) * alpha / rank."
+    )
+    targets: list[LoraTarget] = Field(
+        default_factory=lambda: ["q", "v"],
+        min_length=1,
+        description="Adapted projections: q, k, v (columns of w_qkv), o (w_out), mlp (both"
+        " MLP kernels).",
+    )
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (training)."
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"each target at most once (got {v})")
+        return v
+
+
 class TrainConfig(Section):
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(
@@ -316,6 +346,17 @@ class TrainConfig(Section):
     log_every_steps: int = Field(default=10, ge=1)
     eval_every_steps: int = Field(default=0, ge=0, description="0 = only at the end.")
     eval_batches: int = Field(default=4, ge=1)
+    init_from: str | None = Field(
+        default=None,
+        description=(
+            "A run directory to start from (jaxlab train --from): its newest checkpoint's"
+            " parameters, model section and tokenizer; fresh optimizer state, step 0."
+        ),
+    )
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="LoRA adapters on the init_from base (unset: full fine-tuning or training).",
+    )
 
     @field_validator("remat", mode="before")
     @classmethod
@@ -641,6 +682,11 @@ class JaxlabConfig(Section):
             errors.append(
                 f"train.batch_size: must be divisible by train.grad_accum_steps (got "
                 f"{t.batch_size} and {t.grad_accum_steps})"
+            )
+        if t.lora is not None and t.init_from is None:
+            errors.append(
+                "train.lora: LoRA trains adapters on a base model, and none is given; pass"
+                " --from BASE_RUN_DIR (train.init_from), or remove train.lora"
             )
         p = self.parallel
         if p.data > 0 and p.fsdp > 0:

@@ -74,6 +74,11 @@ def load_run(
     def read(s: int) -> tuple[JaxlabConfig, Tokenizer, nnx.GraphDef, nnx.State]:
         meta = ck.restore_meta(s)
         saved_cfg = from_toml(meta["config"]) if "config" in meta else rd.load_config()
+        if saved_cfg.train.lora is not None:
+            raise ValueError(
+                f"{run_dir} is a LoRA run: its checkpoints hold an adapter, not a model; "
+                f"merge it (jaxlab merge --run-dir {run_dir} --out DIR) and use the merged run"
+            )
         run_cfg = saved_cfg if cfg is None else cfg
         if run_cfg.model != saved_cfg.model:
             raise ValueError("cfg.model differs from the checkpoint's model config")

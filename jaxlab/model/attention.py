@@ -20,7 +20,9 @@ from jax.typing import DTypeLike
 from jaxlab import kernels
 from jaxlab.kernels import AttentionKernel, LayerCache, PagedKernel
 from jaxlab.kernels.paged import PagedCache, PagedLayer
+from jaxlab.model import lora as lora_math
 from jaxlab.model.layers import INIT_STD, dense, normal_init, residual_std
+from jaxlab.model.lora import Lora
 
 Array = jax.Array
 Rope = tuple[Array, Array]
@@ -106,13 +108,17 @@ class Attention(nnx.Module):
         """The kernel that reads ``cache``: the paged one for a :class:`PagedLayer`."""
         return self.paged_kernel if isinstance(cache, PagedLayer) else self.kernel
 
-    def project(self, x: Array, rope: Rope | None) -> tuple[Array, Array, Array]:
+    def project(
+        self, x: Array, rope: Rope | None, lora: Lora | None = None
+    ) -> tuple[Array, Array, Array]:
         """``x [B, T, d_model]`` -> ``q [B, T, H, D]``, ``k, v [B, T, K, D]``, RoPE applied
-        (keys are cached already rotated)."""
+        (keys are cached already rotated); ``lora``'s q/k/v adapters added."""
         b, t, _ = x.shape
         h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = dense(x, self.w_qkv[...], self.compute_dtype)
+        qkv = lora_math.add_qkv(qkv, x, lora, self.compute_dtype, h * d, kv * d)
         # Named for the remat policies that keep it (``jaxlab.model.remat``); no-op otherwise.
-        qkv = checkpoint_name(dense(x, self.w_qkv[...], self.compute_dtype), "qkv_proj")
+        qkv = checkpoint_name(qkv, "qkv_proj")
         qkv = qkv.reshape(b, t, h + 2 * kv, d)
         q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
         if rope is not None:
@@ -121,32 +127,35 @@ class Attention(nnx.Module):
             k = apply_rope(k, sin, cos)
         return q, k, v
 
-    def output(self, o: Array) -> Array:
+    def output(self, o: Array, lora: Lora | None = None) -> Array:
         """The kernel's ``[B, T, H, D]`` -> f32 ``[B, T, d_model]`` (into the residual)."""
         b, t = o.shape[:2]
-        out = dense(
-            o.reshape(b, t, self.n_heads * self.head_dim),
-            self.w_out[...],
-            self.compute_dtype,
-            jnp.float32,
-        )
+        o = o.reshape(b, t, self.n_heads * self.head_dim)
+        out = dense(o, self.w_out[...], self.compute_dtype, jnp.float32)
+        out = lora_math.add(out, "o", o, lora, self.compute_dtype)
         return checkpoint_name(out, "out_proj")
 
     def __call__(
-        self, x: Array, rope: Rope | None, segment_ids: Array | None = None
+        self,
+        x: Array,
+        rope: Rope | None,
+        segment_ids: Array | None = None,
+        lora: Lora | None = None,
     ) -> tuple[Array, tuple[Array, Array]]:
         """Causal self-attention over ``x [B, T, d_model]`` (within segments when given).
 
         Returns the output and this layer's new ``(k, v)``, which prefill turns into a
         cache (unused in training, where jit drops them).
         """
-        q, k, v = self.project(x, rope)
-        return self.output(self.kernel.attend(q, k, v, segment_ids)), (k, v)
+        q, k, v = self.project(x, rope, lora)
+        return self.output(self.kernel.attend(q, k, v, segment_ids), lora), (k, v)
 
-    def attend_cache(self, q: Array, cache: LayerCache, positions: Array) -> Array:
+    def attend_cache(
+        self, q: Array, cache: LayerCache, positions: Array, lora: Lora | None = None
+    ) -> Array:
         """Queries over a cache (contiguous, or a paged layer) that already holds their own
         keys -> f32 ``[B, T, d]``."""
-        return self.output(self.kernel_for(cache).attend_cache(q, cache, positions))
+        return self.output(self.kernel_for(cache).attend_cache(q, cache, positions), lora)
 
     def init_cache(self, batch: int, max_len: int, dtype: DTypeLike) -> LayerCache:
         return self.kernel.init_cache(batch, max_len, self.n_kv_heads, self.head_dim, dtype)

@@ -16,7 +16,7 @@ Design rules shared by every layer here:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,9 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from jaxlab.model.quant import QuantizedKernel, quantized_matmul
+
+if TYPE_CHECKING:
+    from jaxlab.model.lora import Lora
 
 Array = jax.Array
 
@@ -171,11 +174,22 @@ class MLP(nnx.Module):
             normal_init(rngs.params(), (d_mlp, d_model), residual_std(n_layers), param_dtype)
         )
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, lora: Lora | None = None) -> Array:
+        """``lora``: adapters on ``w_in`` (``mlp_in``) and ``w_down`` (``mlp_down``)."""
         h = dense(x, self.w_in[...], self.compute_dtype)
+        if lora is not None:
+            h = _plus(h, lora.delta("mlp_in", x, self.compute_dtype))
         if self.kind == "swiglu":
             gate, up = h[..., : self.d_mlp], h[..., self.d_mlp :]
             h = jax.nn.silu(gate) * up
         else:
             h = jax.nn.gelu(h, approximate=True)
-        return dense(h, self.w_down[...], self.compute_dtype, jnp.float32)
+        y = dense(h, self.w_down[...], self.compute_dtype, jnp.float32)
+        if lora is not None:
+            y = _plus(y, lora.delta("mlp_down", h, self.compute_dtype))
+        return y
+
+
+def _plus(y: Array, delta: Array | None) -> Array:
+    """``y + delta`` in ``y``'s dtype (no adapter: ``y`` itself)."""
+    return y if delta is None else y + delta.astype(y.dtype)

@@ -55,6 +55,7 @@ from jaxlab.model.layers import (
     dropout,
     normal_init,
 )
+from jaxlab.model.lora import Lora
 from jaxlab.model.quant import QuantizedKernel
 
 Array = jax.Array
@@ -101,19 +102,30 @@ class Block(nnx.Module):
         )
 
     def __call__(
-        self, x: Array, rope: Rope | None, segment_ids: Array | None, key: Array | None
+        self,
+        x: Array,
+        rope: Rope | None,
+        segment_ids: Array | None,
+        key: Array | None,
+        lora: Lora | None = None,
     ) -> tuple[Array, tuple[Array, Array]]:
-        """The sequence form: ``(x, this layer's (k, v))``."""
+        """The sequence form: ``(x, this layer's (k, v))``; ``lora``: this layer's adapters."""
         attn_key = mlp_key = None
         if key is not None:
             attn_key, mlp_key = jax.random.split(key)
-        a, kv = self.attn(self.attn_norm(x), rope, segment_ids)
+        a, kv = self.attn(self.attn_norm(x), rope, segment_ids, lora)
         x = x + dropout(a, self.dropout_rate, attn_key)
-        x = x + dropout(self.mlp(self.mlp_norm(x)), self.dropout_rate, mlp_key)
+        x = x + dropout(self.mlp(self.mlp_norm(x), lora), self.dropout_rate, mlp_key)
         return x, kv
 
     def cached(
-        self, x: Array, rope: Rope | None, cache: LayerCache, positions: Array, rows: Rows
+        self,
+        x: Array,
+        rope: Rope | None,
+        cache: LayerCache,
+        positions: Array,
+        rows: Rows,
+        lora: Lora | None = None,
     ) -> tuple[Array, LayerCache]:
         """New tokens against a cache (no dropout): ``(x, updated cache)``.
 
@@ -127,11 +139,13 @@ class Block(nnx.Module):
 
         def project(r: int, x: Array, rope: Rope | None) -> tuple[Array, Array, Array]:
             rope_r = None if rope is None else (rope[0][:r], rope[1][:r])
-            return attn.project(self.attn_norm(x[:r]), rope_r)
+            lora_r = None if lora is None else lora.take(r)
+            return attn.project(self.attn_norm(x[:r]), rope_r, lora_r)
 
         def attend_mlp(r: int, x: Array, q: Array, c: LayerCache, pos: Array) -> tuple[Array]:
-            y = x[:r] + attn.attend_cache(q[:r], kernel.take_rows(c, r), pos[:r])
-            return (y + self.mlp(self.mlp_norm(y)),)
+            lora_r = None if lora is None else lora.take(r)
+            y = x[:r] + attn.attend_cache(q[:r], kernel.take_rows(c, r), pos[:r], lora_r)
+            return (y + self.mlp(self.mlp_norm(y), lora_r),)
 
         q, k, v = rows.run(project, x, rope)
         start = jnp.where(rows.computed(), positions[:, 0], NO_SLOT)
@@ -147,9 +161,10 @@ def _run_block(
     rope: Rope | None,
     segment_ids: Array | None,
     key: Array | None,
+    lora: Lora | None,
 ) -> tuple[Array, tuple[Array, Array]]:
     """A block as a pure function of its parameters, so ``jax.checkpoint`` can wrap it."""
-    return nnx.merge(graphdef, state)(x, rope, segment_ids, key)
+    return nnx.merge(graphdef, state)(x, rope, segment_ids, key, lora)
 
 
 class StackedBlocks(nnx.Module):
@@ -312,6 +327,7 @@ class Transformer(nnx.Module):
         segment_ids: Array | None,
         dropout_key: Array | None,
         collect_kv: bool = True,
+        lora: Lora | None = None,
     ) -> tuple[Array, list[tuple[Array, Array]]]:
         """Final-normed features and every layer's ``(k, v)`` (with ``collect_kv``; the
         features alone need none, which matters only to the scan)."""
@@ -323,17 +339,20 @@ class Transformer(nnx.Module):
         x, rope = self.embed_inputs(tokens, positions)
         policy = remat_policies.normalize(self.remat)  # the attribute may be set to a bool
         if isinstance(self.blocks, StackedBlocks):
-            x, kvs = self._scan(self.blocks, x, rope, segment_ids, dropout_key, policy, collect_kv)
+            x, kvs = self._scan(
+                self.blocks, x, rope, segment_ids, dropout_key, policy, collect_kv, lora
+            )
             return self.final_norm(x), kvs
         kvs = []
         run = remat_policies.wrap(_run_block, policy, static_argnums=(0,))
         for i, block in enumerate(self.blocks):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+            lora_i = None if lora is None else lora.layer(i)
             if policy != "none":
                 graphdef, state = nnx.split(block)
-                x, kv = run(graphdef, state, x, rope, segment_ids, key)
+                x, kv = run(graphdef, state, x, rope, segment_ids, key, lora_i)
             else:
-                x, kv = block(x, rope, segment_ids, key)
+                x, kv = block(x, rope, segment_ids, key, lora_i)
             kvs.append(kv)
         return self.final_norm(x), kvs
 
@@ -346,10 +365,12 @@ class Transformer(nnx.Module):
         dropout_key: Array | None,
         policy: str,
         collect_kv: bool,
+        lora: Lora | None = None,
     ) -> tuple[Array, list[tuple[Array, Array]]]:
         """The blocks as one ``lax.scan`` over the stacked parameters (``scan_layers``):
         ``(x, every layer's (k, v) if collect_kv else [])``. Dropout folds each layer's
-        index into the key, as the unrolled loop does."""
+        index into the key, as the unrolled loop does; the adapters' layer axis is scanned
+        beside the parameters'."""
         graphdef, stacked = nnx.split(blocks.stacked)
         keys = (
             None
@@ -358,14 +379,15 @@ class Transformer(nnx.Module):
         )
         run = remat_policies.wrap(_run_block, policy, static_argnums=(0,), prevent_cse=False)
 
-        def body(
-            x: Array, xs: tuple[nnx.State, Array | None]
-        ) -> tuple[Array, tuple[Array, Array] | None]:
-            state, key = xs
-            x, kv = run(graphdef, state, x, rope, segment_ids, key)
+        lora_xs = None if lora is None else (jnp.arange(len(blocks)), lora.weights)
+
+        def body(x: Array, xs: tuple[Any, ...]) -> tuple[Array, tuple[Array, Array] | None]:
+            state, key, lw = xs
+            lora_i = None if lora is None or lw is None else lora.with_layer(lw[1], lw[0])
+            x, kv = run(graphdef, state, x, rope, segment_ids, key, lora_i)
             return x, (kv if collect_kv else None)  # unused K/V: no [L, B, T, ...] buffer
 
-        x, stacked_kv = jax.lax.scan(body, x, (stacked, keys))
+        x, stacked_kv = jax.lax.scan(body, x, (stacked, keys, lora_xs))
         if not collect_kv or stacked_kv is None:
             return x, []
         ks, vs = stacked_kv
@@ -378,6 +400,7 @@ class Transformer(nnx.Module):
         *,
         segment_ids: Array | None = None,
         dropout_key: Array | None = None,
+        lora: Lora | None = None,
     ) -> Array:
         """Final-normed hidden states ``f32[B, T, d_model]``: the LM head's input.
 
@@ -387,11 +410,15 @@ class Transformer(nnx.Module):
           segment_ids: ``int32[B, T]`` document ids for packed rows: a token attends to
             earlier-or-same tokens of its own segment.
           dropout_key: PRNG key enabling dropout (rate ``cfg.dropout_rate``); None = off.
+          lora: adapters (:class:`~jaxlab.model.lora.Lora`, each row its own); None = the
+            base model.
 
         The training loss uses this with :func:`jaxlab.model.loss.head_cross_entropy`, so
         the ``[B, T, vocab]`` logits are never materialised.
         """
-        return self._sequence(tokens, positions, segment_ids, dropout_key, collect_kv=False)[0]
+        return self._sequence(
+            tokens, positions, segment_ids, dropout_key, collect_kv=False, lora=lora
+        )[0]
 
     def __call__(
         self,
@@ -400,35 +427,43 @@ class Transformer(nnx.Module):
         *,
         segment_ids: Array | None = None,
         dropout_key: Array | None = None,
+        lora: Lora | None = None,
     ) -> Array:
         """Logits ``f32[B, T, vocab]`` for every input token (:meth:`features` + head)."""
-        h = self.features(tokens, positions, segment_ids=segment_ids, dropout_key=dropout_key)
+        h = self.features(
+            tokens, positions, segment_ids=segment_ids, dropout_key=dropout_key, lora=lora
+        )
         return self.logits(h)
 
-    def prefill(self, tokens: Array, positions: Array, max_len: int) -> tuple[Array, Cache]:
+    def prefill(
+        self, tokens: Array, positions: Array, max_len: int, *, lora: Lora | None = None
+    ) -> tuple[Array, Cache]:
         """The sequence forward over right-padded prompts, returning its K/V as a cache.
 
         ``tokens, positions: int32[B, T]`` with ``positions[b, t] == t``. Returns the
         final-normed hidden states ``f32[B, T, d_model]`` (a caller applies :meth:`logits`
         at each row's last real position) and a cache of ``max_len >= T`` slots holding the
         prompts' K/V in slots ``0 .. T-1``. Padding K/V lies in each row's future, so it is
-        never visible, and decoding overwrites it.
+        never visible, and decoding overwrites it. ``lora``: per-row adapters, as in
+        :meth:`features`.
         """
-        h, kvs = self._sequence(tokens, positions, None, None)
+        h, kvs = self._sequence(tokens, positions, None, None, lora=lora)
         cache = tuple(
             block.attn.kernel.fill(k, v, max_len)
             for block, (k, v) in zip(self.blocks, kvs, strict=True)
         )
         return h, cache
 
-    def prefill_pages(self, tokens: Array, positions: Array, cache: Pages) -> tuple[Array, Pages]:
+    def prefill_pages(
+        self, tokens: Array, positions: Array, cache: Pages, *, lora: Lora | None = None
+    ) -> tuple[Array, Pages]:
         """:meth:`prefill` into a paged cache: the sequence forward over right-padded prompts
         that start at position 0 (``positions[b, t] == t``), its K/V written through
         ``cache.table`` (row ``b`` of the table is prompt ``b``'s pages; positions without
         a page are dropped). Returns the hidden states and the cache with its pools
-        updated (in place when donated)."""
+        updated (in place when donated). ``lora``: per-row adapters."""
         self._check_depth(cache)
-        h, kvs = self._sequence(tokens, positions, None, None)
+        h, kvs = self._sequence(tokens, positions, None, None, lora=lora)
         start = jnp.zeros((tokens.shape[0],), jnp.int32)
         pools = tuple(
             block.attn.paged_kernel.write(cache.layer(i), k, v, start).pool
@@ -478,7 +513,13 @@ class Transformer(nnx.Module):
             raise ValueError(f"cache has {depth} layers, model has {len(self.blocks)}")
 
     def extend(
-        self, tokens: Array, positions: Array, cache: C, *, rows: Rows | None = None
+        self,
+        tokens: Array,
+        positions: Array,
+        cache: C,
+        *,
+        rows: Rows | None = None,
+        lora: Lora | None = None,
     ) -> tuple[Array, C]:
         """``T`` new tokens per row against ``cache``: ``(f32[B, T, d_model], new cache)``.
 
@@ -486,7 +527,8 @@ class Transformer(nnx.Module):
         ``positions[b, t]`` and attends to slots ``<= positions[b, t]`` (its own included);
         with a paged cache, "slot" means the position's place in the row's pages.
         ``rows`` (:class:`~jaxlab.kernels.rows.Rows`) limits the work to leading rows; the
-        others write nothing and come out as zeros. Jit with the cache donated so the
+        others write nothing and come out as zeros. ``lora``: per-row adapters (``ids [B]``
+        over the full batch; ``rows`` slices them too). Jit with the cache donated so the
         writes happen in place.
         """
         self._check_depth(cache)
@@ -497,8 +539,9 @@ class Transformer(nnx.Module):
         else:
             layers = list(cache)
         new = []
-        for block, layer in zip(self.blocks, layers, strict=True):
-            x, layer = block.cached(x, rope, layer, positions, rows)
+        for i, (block, layer) in enumerate(zip(self.blocks, layers, strict=True)):
+            lora_i = None if lora is None else lora.layer(i)
+            x, layer = block.cached(x, rope, layer, positions, rows, lora_i)
             new.append(layer)
         h = self.final_norm(x)
         if isinstance(cache, Pages):
@@ -506,14 +549,20 @@ class Transformer(nnx.Module):
         return h, tuple(new)
 
     def decode(
-        self, tokens: Array, pos: Array, cache: C, *, rows: Rows | None = None
+        self,
+        tokens: Array,
+        pos: Array,
+        cache: C,
+        *,
+        rows: Rows | None = None,
+        lora: Lora | None = None,
     ) -> tuple[Array, C]:
         """One new token per row (``tokens, pos: int32[B]``): :meth:`extend` with ``T = 1``.
 
         Returns final-normed ``f32[B, d_model]``; :meth:`logits` gives the next-token
         logits, so a caller can run the head on fewer rows (``rows``).
         """
-        h, cache = self.extend(tokens[:, None], pos[:, None], cache, rows=rows)
+        h, cache = self.extend(tokens[:, None], pos[:, None], cache, rows=rows, lora=lora)
         return h[:, 0], cache
 
 

@@ -11,6 +11,11 @@
     skipped     int32 scalar: updates dropped by the non-finite guard ('skip' policy)
     bad_step    int32 scalar: first step whose loss or grad norm was non-finite, -1 if none
 
+A LoRA run (``train.lora``, :class:`LoraSpec`) keeps the same keys, but ``params`` are the
+adapter's weights (:data:`jaxlab.model.lora.Weights`) and the optimizer state is theirs
+alone: the base parameters are a separate, frozen argument of the step (never donated,
+never differentiated, never in ``opt_state``), so the state is what a LoRA checkpoint holds.
+
 Gradient accumulation runs as a ``lax.scan`` over micro-batches inside the one jitted
 step. Each micro-batch contributes the gradient of its *summed* token loss, and the sum
 is divided by the global number of real tokens once, so k micro-batches give the same
@@ -29,6 +34,7 @@ the metrics it already fetches, and before every checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -38,11 +44,29 @@ from flax import nnx
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
 from jaxlab.model import make_model, split_model
+from jaxlab.model.lora import Lora
 from jaxlab.model.loss import head_cross_entropy
 
 Array = jax.Array
 TrainState = dict[str, Any]
 Batch = dict[str, Array]
+
+#: Folded into a step's dropout key for the adapters' dropout (the model's keeps the key).
+LORA_DROPOUT_STREAM = 0x10A
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a LoRA step needs besides the adapter weights: their scale (``alpha / rank``)
+    and the dropout rate on their input."""
+
+    scale: float
+    dropout: float = 0.0
+
+    def adapters(self, weights: Any, key: Array | None) -> Lora:
+        """The training adapter (one, for every row), its dropout keyed by ``key``."""
+        k = None if key is None else jax.random.fold_in(key, LORA_DROPOUT_STREAM)
+        return Lora.single(weights, self.scale, dropout_key=k, dropout_rate=self.dropout)
 
 
 def cast_tree(tree: Any, dtype: Any) -> Any:
@@ -73,7 +97,7 @@ def initial_params(
 
 
 def init_state(
-    params: nnx.State,
+    params: Any,
     tx: optax.GradientTransformation,
     seed: int,
     *,
@@ -96,7 +120,11 @@ def init_state(
 
 
 def token_losses(
-    graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, dropout_key: Array | None
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    batch: Batch,
+    dropout_key: Array | None,
+    lora: Lora | None = None,
 ) -> tuple[Array, Array, Array]:
     """(summed masked cross-entropy, real-token count, correct predictions), all f32.
 
@@ -105,7 +133,7 @@ def token_losses(
     ``argmax(logits) == target`` the same way. The LM head and the cross-entropy run fused
     and chunked (:func:`jaxlab.model.loss.head_cross_entropy`): the ``[B, T, vocab]``
     logits and their gradient are never materialised, which on a memory-bound CPU is
-    most of the head's cost (``docs/performance.md``).
+    most of the head's cost (``docs/performance.md``). ``lora``: adapters on the model.
     """
     model = nnx.merge(graphdef, params)
     h = model.features(
@@ -113,6 +141,7 @@ def token_losses(
         batch["positions"],
         segment_ids=batch["segment_ids"],
         dropout_key=dropout_key,
+        lora=lora,
     )
     kernel, vocab_major = model.head_kernel()
     mask = batch["loss_mask"].astype(jnp.float32)
@@ -134,21 +163,34 @@ def make_train_step(
     *,
     grad_accum_steps: int,
     dropout: bool,
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
-    """Build the pure step function (jit it with ``donate_argnums=0``)."""
+    lora: LoraSpec | None = None,
+) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
+    """Build the pure step function (jit it with ``donate_argnums=0``).
 
-    def sum_loss(params: nnx.State, batch: Batch, key: Array | None):
-        total, n, correct = token_losses(graphdef, params, batch, key)
+    ``step_fn(state, batch)``; with ``lora``, ``step_fn(state, batch, base)``: ``state``'s
+    params are the adapter, ``base`` the frozen model parameters.
+    """
+    lora_dropout = lora is not None and lora.dropout > 0
+
+    def sum_loss(params: Any, batch: Batch, key: Array | None, base: Any):
+        if lora is None:
+            total, n, correct = token_losses(graphdef, params, batch, key)
+        else:
+            model_key = key if dropout else None
+            adapters = lora.adapters(params, key if lora_dropout else None)
+            total, n, correct = token_losses(graphdef, base, batch, model_key, adapters)
         return total, (n, correct)
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
 
-    def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Array]]:
+    def step_fn(
+        state: TrainState, batch: Batch, base: Any = None
+    ) -> tuple[TrainState, dict[str, Array]]:
         params = state["params"]
         # The optimizer's weights: the master copy if there is one.
         master = state.get("master", params)
         step = state["step"]
-        key = jax.random.fold_in(state["rng"], step) if dropout else None
+        key = jax.random.fold_in(state["rng"], step) if dropout or lora_dropout else None
 
         def widen(g: Any) -> Any:  # a gradient in the master weights' dtypes
             return (
@@ -156,7 +198,7 @@ def make_train_step(
             )
 
         if grad_accum_steps == 1:
-            (total, (n, correct)), grads = grad_fn(params, batch, key)
+            (total, (n, correct)), grads = grad_fn(params, batch, key, base)
             grads = widen(grads)
         else:
             micro = jax.tree.map(
@@ -168,7 +210,7 @@ def make_train_step(
                 g_acc, l_acc, n_acc, c_acc = carry
                 i, mb = xs
                 k = None if key is None else jax.random.fold_in(key, i)
-                (total, (n, correct)), g = grad_fn(params, mb, k)
+                (total, (n, correct)), g = grad_fn(params, mb, k, base)
                 g_acc = jax.tree.map(jnp.add, g_acc, widen(g))
                 return (g_acc, l_acc + total, n_acc + n, c_acc + correct), None
 
@@ -217,9 +259,17 @@ def make_train_step(
     return step_fn
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], dict[str, Array]]:
-    def eval_fn(params: nnx.State, batch: Batch) -> dict[str, Array]:
-        total, n, correct = token_losses(graphdef, params, batch, None)
+def make_eval_step(
+    graphdef: nnx.GraphDef, lora: LoraSpec | None = None
+) -> Callable[..., dict[str, Array]]:
+    """``eval_fn(params, batch)``; with ``lora``, ``eval_fn(adapter, batch, base)``."""
+
+    def eval_fn(params: Any, batch: Batch, base: Any = None) -> dict[str, Array]:
+        if lora is None:
+            total, n, correct = token_losses(graphdef, params, batch, None)
+        else:
+            adapters = lora.adapters(params, None)
+            total, n, correct = token_losses(graphdef, base, batch, None, adapters)
         return {"loss_sum": total, "tokens": n, "correct": correct}
 
     return eval_fn

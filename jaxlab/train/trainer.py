@@ -5,6 +5,10 @@ The loop's only host syncs are the metrics fetch every ``train.log_every_steps``
 is dispatched asynchronously, so the host prepares batch ``s+1`` while the device runs
 step ``s``.
 
+A run started from another (``train.init_from``, :mod:`jaxlab.train.base`) takes its
+parameters from that base: all of them train (full fine-tuning), or, with ``train.lora``,
+only adapters on them, the base held frozen beside the state (:mod:`jaxlab.train.step`).
+
 ``--steps N`` (``Trainer.run(stop_at=N)``) is where a run *stops*; the learning-rate
 schedule always spans ``train.steps``. That is what makes ``train --steps 10`` followed by
 ``resume --steps 20`` equal to ``train --steps 20``.
@@ -24,26 +28,31 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlab.checkpoint import Checkpointer, Restored
 from jaxlab.config import JaxlabConfig
 from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
 from jaxlab.data.cache import default_cache_dir
-from jaxlab.model import flops_per_token
+from jaxlab.model import flops_per_token, make_model, split_model
+from jaxlab.model import lora as lora_math
 from jaxlab.model.quant import Activations
 from jaxlab.parallel import build_mesh, check_model_fits, describe_mesh, place_batch
 from jaxlab.parallel.distributed import barrier, is_primary
-from jaxlab.parallel.rules import state_shardings
+from jaxlab.parallel.rules import param_shardings, state_shardings
 from jaxlab.runtime.compiled import ShapeKeyedJit
 from jaxlab.runtime.datasheet import datasheet_for
 from jaxlab.runtime.peak import matmul_peak_gflops
 from jaxlab.tokenizer import Tokenizer, bpe_tokenizer, byte_tokenizer
+from jaxlab.train import base as base_run
 from jaxlab.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxlab.train.run_dir import RunDir, run_identity
 from jaxlab.train.step import (
+    LoraSpec,
     TrainState,
     abstract_like,
+    cast_tree,
     init_state,
     initial_params,
     make_eval_step,
@@ -179,8 +188,27 @@ class Trainer:
         self.primary = is_primary()
         new_run = not self.run_dir.exists()
         barrier("jaxlab-run-dir-checked")
+        t = cfg.train
+        #: The base this run started from (``train.init_from``), and its config.
+        self.base: base_run.BaseRef | None = None
+        base_cfg: JaxlabConfig | None = None
+        if t.init_from is not None:
+            if new_run:
+                self.base, base_cfg = base_run.resolve(t.init_from)
+            else:
+                self.base = base_run.read_record(self.run_dir.path)
+                if t.lora is not None:
+                    base_cfg = base_run.resolve(self.base.run_dir, self.base.step)[1]
+            if base_cfg is not None and base_cfg.model != cfg.model:
+                raise ValueError(
+                    f"train.init_from {t.init_from}: its model section differs from this "
+                    "run's; a run started from a base takes the base's (train.base.adopt)"
+                )
         if new_run and self.primary:
             self.run_dir.create(cfg)
+            if self.base is not None:
+                base_run.write_record(self.run_dir.path, self.base)
+                base_run.copy_tokenizer(self.base, self.run_dir.path)
         elif not new_run and not self.run_dir.holds(cfg):
             raise ValueError(
                 f"{self.run_dir.path} holds a different config; use a new --run-dir or "
@@ -206,18 +234,43 @@ class Trainer:
             jax.process_index(),
             jax.process_count(),
         )
-        t = cfg.train
-        # The initial params are the master weights when those are on (init_state rounds).
-        self.graphdef, params = initial_params(
-            cfg.model, t.precision, cfg.runtime.seed, remat=t.remat
-        )
-        master = t.precision.master_dtype is not None
         self.schedule = learning_rate_schedule(t)
         self.tx = make_optimizer(t)
         # Sharding is a value: the mesh and the state's shardings decide the parallelism;
         # the step below is the same code for 1 device, N devices and N processes.
         self.mesh = build_mesh(cfg.parallel)
         check_model_fits(cfg.model, self.mesh)
+        #: LoRA: the adapters' scale and dropout; the frozen base parameters (not state).
+        self.lora = (
+            None
+            if t.lora is None
+            else LoraSpec(lora_math.scale_of(t.lora.alpha, t.lora.rank), t.lora.dropout)
+        )
+        self.base_params: Any = None
+        if self.lora is not None and t.lora is not None:
+            assert self.base is not None and base_cfg is not None
+            self.graphdef, _ = split_model(
+                nnx.eval_shape(
+                    lambda: make_model(cfg.model, t.precision, cfg.runtime.seed, remat=t.remat)
+                )
+            )
+            shard = lambda p: param_shardings(p, self.mesh)  # noqa: E731
+            self.base_params = cast_tree(
+                base_run.load_params(self.base, base_cfg, shard), t.precision.param_dtype
+            )
+            params = lora_math.init_weights(
+                cfg.model, t.lora.rank, t.lora.targets, jax.random.PRNGKey(cfg.runtime.seed)
+            )
+            master = False
+        else:
+            # The initial params are the master weights when those are on (init_state rounds).
+            self.graphdef, params = initial_params(
+                cfg.model, t.precision, cfg.runtime.seed, remat=t.remat
+            )
+            master = t.precision.master_dtype is not None
+            if self.base is not None and base_cfg is not None:  # full fine-tuning, new run
+                start = base_run.load_params(self.base, base_cfg)
+                params = jax.tree.map(lambda b, p: b.astype(p.dtype), start, params)
         self.state_shardings = state_shardings(params, self.tx, self.mesh, master=master)
         param_dtype = t.precision.param_dtype if master else None
         self.state: TrainState = jax.jit(
@@ -225,6 +278,8 @@ class Trainer:
             out_shardings=self.state_shardings,
         )(params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
+        #: The step's arguments after (state, batch): the frozen base for LoRA.
+        self.frozen: tuple[Any, ...] = () if self.lora is None else (self.base_params,)
         self.step_fn = ShapeKeyedJit(
             make_train_step(
                 self.graphdef,
@@ -232,13 +287,14 @@ class Trainer:
                 self.schedule,
                 grad_accum_steps=t.grad_accum_steps,
                 dropout=cfg.model.dropout_rate > 0,
+                lora=self.lora,
             ),
             name="train_step",
             donate_argnums=(0,),
             out_shardings=(self.state_shardings, replicated),
         )
         self.eval_fn = ShapeKeyedJit(
-            make_eval_step(self.graphdef), name="eval_step", out_shardings=replicated
+            make_eval_step(self.graphdef, self.lora), name="eval_step", out_shardings=replicated
         )
         self.restored: Restored[None] | None = None  # the last restore()'s step and skips
         self.checkpointer = Checkpointer(
@@ -252,14 +308,19 @@ class Trainer:
         self.peak_gflops: float | None = None
         self.mfu_basis: str | None = None
         if self.primary and (new_run or not self.run_dir.manifest_path.is_file()):
-            self.run_dir.write_manifest(
-                cfg,
-                {
-                    "tokenizer_sha256": self.tokenizer.sha256,
-                    "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
-                    "mesh": describe_mesh(self.mesh),
-                },
-            )
+            extra: dict[str, Any] = {
+                "tokenizer_sha256": self.tokenizer.sha256,
+                "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
+                "mesh": describe_mesh(self.mesh),
+            }
+            if self.base is not None:
+                extra["base"] = self.base.to_json()
+            if self.lora is not None:
+                extra["trainable"] = "lora"
+                extra["base_param_count"] = int(
+                    sum(x.size for x in jax.tree.leaves(self.base_params))
+                )
+            self.run_dir.write_manifest(cfg, extra)
 
     # ------------------------------------------------------------------ state
 
@@ -280,6 +341,15 @@ class Trainer:
         restored, meta = report.value
         if meta.get("tokenizer_sha256") not in (None, self.tokenizer.sha256):
             raise ValueError("checkpoint tokenizer differs from the run's tokenizer")
+        if self.lora is not None and self.base is not None:
+            saved = (meta.get("base") or {}).get("params_sha256")
+            if saved != self.base.params_sha256:
+                raise base_run.WrongBase(
+                    f"the adapter in {self.run_dir.path} (step {report.step})",
+                    str(saved),
+                    self.base.params_sha256,
+                    f"restore the base it was trained on into {self.base.run_dir}",
+                )
         self.state = restored
         self.restored = Restored(report.step, None, report.skipped)
         return self.step
@@ -304,6 +374,7 @@ class Trainer:
             "tokenizer": tokenizer_files(self.run_dir.tokenizer_dir),
             "tokenizer_sha256": self.tokenizer.sha256,
             "step": self.step,
+            **({"base": self.base.to_json()} if self.base is not None else {}),
         }
 
     def save(self, *, force: bool = False, wait: bool = False) -> bool:
@@ -385,7 +456,7 @@ class Trainer:
             self._log({"event": "mfu", "peak_gflops": self.peak_gflops, "basis": self.mfu_basis})
 
         batch = self._device_batch(start)
-        self.step_fn.compile_for(self.state, batch)
+        self.step_fn.compile_for(self.state, batch, *self.frozen)
         ct = self.step_fn.timings[-1]
         self._log(
             {
@@ -474,7 +545,7 @@ class Trainer:
                         jax.block_until_ready(self.state)
                         jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
                         trace_on = True
-                    self.state, metrics = self.step_fn(self.state, batch)
+                    self.state, metrics = self.step_fn(self.state, batch, *self.frozen)
                     step += 1
                     if trace_on and profile is not None and step == profile[1]:
                         jax.block_until_ready((self.state, metrics))
@@ -541,6 +612,7 @@ class Trainer:
             self.cfg.train.batch_size,
             max_batches or self.cfg.train.eval_batches,
             mesh=self.mesh,
+            frozen=self.frozen,
         )
 
     def evaluate_int8(
@@ -552,6 +624,11 @@ class Trainer:
         :meth:`evaluate`."""
         from jaxlab.train.quant_eval import evaluate_int8, int8_weights, make_int8_eval_step
 
+        if self.lora is not None:
+            raise ValueError(
+                f"{self.run_dir.path} is a LoRA run: merge it first (jaxlab merge --run-dir "
+                f"{self.run_dir.path} --out DIR) and score the merged run's int8 weights"
+            )
         params = self.state["params"]
         step = ShapeKeyedJit(
             make_int8_eval_step(self.graphdef),
@@ -589,7 +666,9 @@ def evaluate_params(
     max_batches: int,
     *,
     mesh: Any = None,
+    frozen: tuple[Any, ...] = (),
 ) -> dict[str, float]:
+    """``frozen``: ``eval_fn``'s arguments after the batch (a LoRA run's base)."""
     loss_sum = tokens = correct = 0.0
     batches = 0
     share = (jax.process_index(), jax.process_count())
@@ -599,7 +678,7 @@ def evaluate_params(
         placed = (
             place_batch(b, mesh) if mesh is not None else {k: jnp.asarray(v) for k, v in b.items()}
         )
-        out = jax.device_get(eval_fn(params, placed))
+        out = jax.device_get(eval_fn(params, placed, *frozen))
         loss_sum += float(out["loss_sum"])
         tokens += float(out["tokens"])
         correct += float(out["correct"])

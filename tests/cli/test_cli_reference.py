@@ -26,6 +26,7 @@ def test_cli_reference_is_current():
         "train",
         "resume",
         "eval",
+        "merge",
         "generate",
         "bench",
         "serve",

@@ -25,12 +25,12 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4
 
 
-def run_meshes(out: Path, *meshes: str, devices: int) -> None:
+def run_meshes(out: Path, *meshes: str, devices: int, script: Path | None = None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXLAB_")}
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "sharded_runs.py"), str(out), *meshes],
+        [sys.executable, str(script or HERE / "sharded_runs.py"), str(out), *meshes],
         capture_output=True,
         text=True,
         env=env,
