@@ -55,6 +55,11 @@ def _cache_note(sched: Any) -> str:
     return f" ({hits} of {total} compiles from the compilation cache)" if hits else ""
 
 
+def _adapters_note(info: dict[str, Any]) -> str:
+    names = info.get("adapters") or []
+    return f" + {len(names)} adapter(s) {', '.join(names)}" if names else ""
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         epilog="Example: jaxlab serve --run-dir artifacts/runs/demo --port 8000 --slots 8. "
@@ -77,6 +82,15 @@ def register(app: typer.Typer) -> None:
         ] = None,
         slots: Annotated[
             int | None, typer.Option("--slots", min=1, help="Decode slots (default serve.slots).")
+        ] = None,
+        adapter: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--adapter",
+                help="Serve a LoRA run's adapter on this base as model NAME: NAME=LORA_RUN_DIR"
+                " (repeatable; merged over serve.adapters). Its recorded base must be this"
+                " checkpoint.",
+            ),
         ] = None,
         set_: SetOpt = None,
         port_file: Annotated[
@@ -124,7 +138,15 @@ def register(app: typer.Typer) -> None:
         if not RunDir(run_dir).exists():
             raise UsageProblem(f"--run-dir {run_dir}: not a run directory (no config.toml)")
         _check_step(run_dir, step)
-        cfg = serve_config(run_dir, set_ or [], host=host, port=port, slots=slots)
+        from jaxlab.serve.adapters import AdapterProblem, parse_adapter_options
+
+        try:
+            adapters = parse_adapter_options(adapter or [])
+        except AdapterProblem as e:
+            raise UsageProblem(str(e)) from None
+        cfg = serve_config(
+            run_dir, set_ or [], host=host, port=port, slots=slots, adapters=adapters or None
+        )
         spec = cfg.inference.speculative
         if spec.method == "draft" and spec.draft_run_dir is not None:
             from jaxlab.infer.speculative.draft import draft_dir_problem
@@ -137,6 +159,13 @@ def register(app: typer.Typer) -> None:
 
         configure_runtime(cfg.runtime)
         _quiet_libraries()
+        if cfg.serve.adapters:
+            from jaxlab.serve.adapters import check_adapters
+
+            try:
+                check_adapters(cfg.serve.adapters, run_dir, step)
+            except AdapterProblem as e:
+                raise UsageProblem(str(e)) from None
 
         from jaxlab.serve.server import run_server
         from jaxlab.serve.service import ModelService
@@ -156,7 +185,7 @@ def register(app: typer.Typer) -> None:
             info = service.info()
             sched = service.scheduler
             console.print(
-                f"ready: {url}  model {info['model']} (step {info['checkpoint_step']}, "
+                f"ready: {url}  model {info['model']}{_adapters_note(info)} (step {info['checkpoint_step']}, "
                 f"{info['platform']}, {info['precision']}), {info['slots']} slots "
                 f"in {info['decode_groups']} decode group(s), "
                 f"max_len {info['max_len']}, buckets {info['prefill_buckets']}, "

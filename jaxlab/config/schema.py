@@ -10,6 +10,7 @@ without importing jax.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import (
@@ -23,6 +24,9 @@ from pydantic import (
 )
 
 from jaxlab.config.ranges import SAMPLING_RANGES
+
+#: What a served LoRA adapter's name (the ``model`` of a request) may hold.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -559,6 +563,36 @@ class ServeConfig(Section):
         default=None, description="If set, /v1/* needs 'Bearer <key>'."
     )
     model_name: str = "jaxlab"
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "LoRA adapters served on the base model: {name = LoRA run directory}. A request"
+            " picks one with its 'model' field (the base is serve.model_name); each adapter's"
+            " recorded base must be the served checkpoint."
+        ),
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"adapter name {name!r}: use letters, digits, '.', '_', ':' or '-' (it is"
+                    " the 'model' a request names)"
+                )
+            if not path:
+                raise ValueError(f"adapter {name!r}: the LoRA run directory is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _adapter_not_base(self) -> ServeConfig:
+        if self.model_name in self.adapters:
+            raise ValueError(
+                f"adapters: {self.model_name!r} is serve.model_name, the base model's name;"
+                " give the adapter another name"
+            )
+        return self
 
 
 class BenchConfig(Section):
@@ -712,6 +746,12 @@ class JaxlabConfig(Section):
                     f"inference.prefill_buckets: must be strictly increasing, >= 1 and <= "
                     f"{cap} (got {bs})"
                 )
+        if self.serve.adapters and inf.speculative.method != "off":
+            errors.append(
+                f"inference.speculative.method: speculative decoding does not run LoRA adapters"
+                f" (serve.adapters names {len(self.serve.adapters)}); set"
+                " inference.speculative.method=off or serve without adapters"
+            )
         if inf.activations == "int8" and inf.weights != "int8":
             errors.append(
                 f"inference.activations: 'int8' quantizes the input of int8 weights, but"

@@ -40,6 +40,7 @@ class Chunk:
     sampling: SamplingParams
     last: bool = True
     generated: int = 0
+    adapter: int = 0
 
 
 def row_bucket(n: int) -> int:
@@ -56,6 +57,7 @@ class ChunkBatch:
     lengths: np.ndarray  # i32[rows], >= 1 (padding rows: 1)
     table: np.ndarray  # i32[rows, max_pages], NO_PAGE past each row's pages
     generated: np.ndarray  # i32[rows]
+    adapters: np.ndarray  # i32[rows], padding rows 0
     samplings: list[SamplingParams]
     from_start: bool  # every chunk starts at position 0
 
@@ -88,6 +90,7 @@ def batch_chunks(
     lengths = np.ones((rows,), np.int32)
     table = np.full((rows, max_pages), num_pages, np.int32)
     generated = np.zeros((rows,), np.int32)
+    adapters = np.zeros((rows,), np.int32)
     for i, c in enumerate(chunks):
         n, end = len(c.tokens), c.start + len(c.tokens)
         if n == 0 or c.start < 0 or c.generated < 0:
@@ -108,11 +111,11 @@ def batch_chunks(
             raise ValueError(f"chunk {i}: a page id outside the pool of {num_pages} pages")
         tokens[i, :n] = c.tokens
         starts[i], lengths[i], generated[i] = c.start, n, c.generated
+        adapters[i] = c.adapter
         table[i, : len(pages)] = pages
     samplings = [c.sampling for c in chunks] + [PADDING_SAMPLING] * (rows - len(chunks))
-    return ChunkBatch(
-        tokens, starts, lengths, table, generated, samplings, all(c.start == 0 for c in chunks)
-    )
+    from_start = all(c.start == 0 for c in chunks)
+    return ChunkBatch(tokens, starts, lengths, table, generated, adapters, samplings, from_start)
 
 
 __all__ = ["PADDING_SAMPLING", "Chunk", "ChunkBatch", "batch_chunks", "row_bucket"]

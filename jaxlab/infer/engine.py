@@ -23,6 +23,14 @@ counted (:attr:`Engine.compiles`): for a decode state of a given pool, ``prefill
 per (length bucket, row bucket, from-start or not), ``generate`` once per (k, slots),
 ``insert`` once per (prefix rows, slots), ``init_decode_state`` once per (slots, pages);
 ``set_table`` never compiles.
+
+**LoRA adapters** (``Engine(..., adapters=lora.stack(...))``): the engine holds the stacked
+adapter weights on the device, every row of the decode state carries an adapter id
+(``DecodeState.adapter``, set from its prompt's :attr:`Chunk.adapter` at insert), and
+prefill and decode pass ``Lora(weights, scale, ids)`` into the model: rows of different
+adapters share one batched step (a gathered low-rank einsum per projection,
+:mod:`jaxlab.model.lora`). The adapter count is fixed when the engine is built and the
+ids are data, so mixing adapters adds no compile.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from jaxlab.infer.request import Limits, RequestTooLong
 from jaxlab.infer.sampling import empty_sampling_arrays, sampling_arrays
 from jaxlab.infer.state import DecodeState
 from jaxlab.infer.steps import (
+    Adapters,
     Weights,
     make_generate,
     make_insert,
@@ -104,9 +113,22 @@ class Engine:
       graphdef, params: the model (``split_model``); ``params`` are never donated.
         Assigning ``engine.params`` also rebuilds the decode weights (:meth:`weights`).
       cfg: the resolved config; ``model``, ``train.precision`` and ``inference`` are used.
+      adapters: LoRA adapters, stacked (:func:`jaxlab.model.lora.stack`: ``(weights,
+        scale)``, slot 0 the base model); rows choose one by :attr:`Chunk.adapter`.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, cfg: JaxlabConfig) -> None:
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        cfg: JaxlabConfig,
+        *,
+        adapters: tuple[Any, Array] | None = None,
+    ) -> None:
+        #: The stacked adapters on the device (None: the base model alone).
+        self.adapters: Adapters | None = (
+            None if adapters is None else Adapters(*jax.device_put(tuple(adapters)))
+        )
         if cfg.model.scan_layers:  # decode the unrolled model: no per-step weight slices
             graphdef, params = unstack_params(cfg.model, cfg.train.precision, params)
         self.graphdef = graphdef
@@ -174,9 +196,15 @@ class Engine:
 
     def _prepare(self, params: nnx.State) -> Weights:
         inf = self.cfg.inference
-        return prepare_weights(
+        w = prepare_weights(
             self.graphdef, params, self.tuning.transposed_head, inf.weights, inf.activations
         )
+        return w._replace(adapters=self.adapters)
+
+    @property
+    def num_adapters(self) -> int:
+        """LoRA adapters served besides the base model (ids ``1 .. num_adapters``)."""
+        return 0 if self.adapters is None else self.adapters.count - 1
 
     def _unrolled(self, params: nnx.State) -> nnx.State:
         """``params`` as the engine's unrolled model has them (a ``scan_layers`` model's
@@ -296,6 +324,8 @@ class Engine:
 
     def naive(self) -> NaiveEngine:
         """The cache-free baseline over this engine's model and params (made once)."""
+        if self.num_adapters:
+            raise ValueError("the cache-free baseline runs the base model only (no adapters)")
         if self._naive is None:
             from jaxlab.infer.naive import NaiveEngine
 
@@ -337,6 +367,7 @@ class Engine:
             generated=put(np.zeros((slots,), np.int32)),
             done=put(np.ones((slots,), np.bool_)),
             sampling=empty_sampling_arrays(slots),
+            adapter=put(np.zeros((slots,), np.int32)),
             max_len=self.max_len,
         )
 
@@ -373,6 +404,12 @@ class Engine:
         Returns the state and the :class:`Prefill`: each chunk's sampled token (key index
         ``chunk.generated``) for :meth:`insert`."""
         longest = max((len(c.tokens) for c in chunks), default=0)
+        bad = [c.adapter for c in chunks if not 0 <= c.adapter <= self.num_adapters]
+        if bad:  # a gather would clamp an id out of range: another adapter's output
+            raise ValueError(
+                f"chunk adapter id {bad[0]} out of range: this engine holds "
+                f"{self.num_adapters} adapter(s), ids 0..{self.num_adapters}"
+            )
         if bucket is None:
             bucket = self.bucket_for(longest)
         elif not longest <= bucket <= self.max_len:
@@ -396,6 +433,7 @@ class Engine:
             put(batch.lengths),
             put(batch.table),
             put(batch.generated),
+            put(batch.adapters),
             sampling_arrays(batch.samplings),
         )
         state = dataclasses.replace(state, cache=Pages(pools, state.cache.table))

@@ -178,7 +178,7 @@ class Stream:
         for i, r in enumerate(self.requests):
             got = pool.admit(i, r.prompt_ids, reserve=r.sampling.max_new_tokens)
             assert got is not None, "a checked request fits max_len, so its max_pages"
-            chunks.append(Chunk(r.prompt_ids, 0, got.pages, r.sampling))
+            chunks.append(Chunk(r.prompt_ids, 0, got.pages, r.sampling, adapter=r.adapter))
         return num_pages, chunks
 
     def _run(self) -> Iterator[list[list[int]]]:

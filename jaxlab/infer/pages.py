@@ -11,7 +11,9 @@ vLLM's block manager is the model (``kv_cache_manager.py``, ``block_pool.py``):
 - a page is *free* (unkeyed, unreferenced), *evictable* (keyed by a prompt prefix,
   unreferenced, still a cache hit) or *used* (referenced by at least one sequence);
 - a full page of computed tokens is keyed by a hash chain over the pages before it and its
-  own tokens, so a new sequence finds its longest cached prefix page by page;
+  own tokens, so a new sequence finds its longest cached prefix page by page; the chain's
+  root is a per-sequence ``salt`` (vLLM's extra keys), so K/V computed under one LoRA
+  adapter is never a hit for another (the same tokens give other K/V);
 - cached pages are shared read-only by refcount: a sequence only ever writes pages past its
   cached prefix, which it got fresh, so no page is shared writable;
 - fresh pages come from the free list first, then from the evictable pages least recently
@@ -55,6 +57,13 @@ def _page_digest(previous: bytes, tokens: Sequence[int]) -> bytes:
     digest keeps a key at 32 bytes and its comparison O(1) however long the prefix.
     """
     return hashlib.sha256(previous + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+
+
+def chain_root(salt: bytes) -> bytes:
+    """The digest a hash chain of ``salt`` starts from: ``b""`` for no salt (the chains of
+    a server without adapters are unchanged), otherwise a digest of the salt, which no
+    page's digest equals."""
+    return b"" if not salt else hashlib.sha256(b"salt:" + salt).digest()
 
 
 class PagePool:
@@ -105,9 +114,14 @@ class PagePool:
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
-    def admit(self, seq: Hashable, tokens: Sequence[int], reserve: int = 0) -> Admission | None:
+    def admit(
+        self, seq: Hashable, tokens: Sequence[int], reserve: int = 0, *, salt: bytes = b""
+    ) -> Admission | None:
         """Pages for ``seq``'s ``tokens`` plus ``reserve`` more: its longest cached prefix of
         full pages, then fresh ones. None, and nothing changed, if they do not fit.
+
+        ``salt`` roots the sequence's hash chain: only sequences of the same salt share
+        pages (:func:`chain_root`; the server salts by LoRA adapter).
 
         The cache may serve at most ``(len(tokens) - 1) // page_size`` pages, so that at
         least the last prompt token is computed: its logits give the first new token.
@@ -118,7 +132,7 @@ class PagePool:
             raise ValueError(f"reserve must be >= 0, got {reserve}")
         ps = self.page_size
         hits: list[int] = []
-        digest = b""
+        digest = chain_root(salt)
         if self.prefix_caching:
             for i in range(max(0, (len(tokens) - 1) // ps)):
                 next_digest = _page_digest(digest, tokens[i * ps : (i + 1) * ps])

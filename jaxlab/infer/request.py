@@ -46,11 +46,13 @@ class Limits:
 
 @dataclass(frozen=True)
 class Request:
-    """A checked request (build it with :meth:`create`)."""
+    """A checked request (build it with :meth:`create`). ``adapter``: the LoRA adapter id
+    it runs with (0: the base model; the server maps ``model`` names to ids)."""
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
+    adapter: int = 0
 
     @classmethod
     def create(
@@ -60,6 +62,7 @@ class Request:
         limits: Limits,
         *,
         stop: Sequence[str] = (),
+        adapter: int = 0,
     ) -> Request:
         """Check the request and fold ``limits.eos_id`` into its stop tokens.
 
@@ -94,7 +97,8 @@ class Request:
                 f"lower max_new_tokens or raise inference.max_len",
                 param="prompt",
             )
-        return cls(ids, sampling.with_eos(limits.eos_id), tuple(s for s in stop if s))
+        stops_text = tuple(s for s in stop if s)
+        return cls(ids, sampling.with_eos(limits.eos_id), stops_text, adapter)
 
     @functools.cached_property
     def stop_ids(self) -> frozenset[int]:

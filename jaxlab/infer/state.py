@@ -18,6 +18,8 @@ Per row ``b``:
 * ``pos[b]``: tokens in the cache so far (prompt + tokens fed back): the next write.
 * ``generated[b]``: sampled tokens so far (prefill's first token counts), which is also the
   index ``t`` of the next token's key ``fold_in(PRNGKey(seed), t)``.
+* ``adapter[b]``: the row's LoRA adapter id (:data:`~jaxlab.model.lora.NO_ADAPTER`, 0:
+  the base model); data, not shape, so rows of different adapters share one compiled step.
 * ``done[b]``: the row hit a stop token / EOS or its ``max_new_tokens`` budget; empty
   slots are done. Done rows are carried through the batched step but never advance, and
   write nothing: their pages may belong to another row by now.
@@ -42,6 +44,7 @@ class DecodeState:
     generated: Array  # i32[slots]
     done: Array  # bool[slots]
     sampling: SamplingArrays
+    adapter: Array  # i32[slots]
     max_len: int = struct.field(pytree_node=False)
 
     @property

@@ -25,6 +25,7 @@ from jaxlab.infer.state import DecodeState
 from jaxlab.kernels import NO_SLOT
 from jaxlab.kernels.paged import PagedCache, Pages
 from jaxlab.kernels.rows import Rows, row_buckets
+from jaxlab.model import lora as lora_math
 from jaxlab.model.quant import (
     Activations,
     QuantizedKernel,
@@ -42,14 +43,37 @@ P = TypeVar("P")
 NO_TOKEN = -1
 
 
+class Adapters(NamedTuple):
+    """The LoRA adapters an engine serves, stacked (:func:`jaxlab.model.lora.stack`):
+    ``weights {proj: {"a": [L, N, in, R], "b": [L, N, R, out]}}`` and ``scale f32[N]``, slot
+    :data:`~jaxlab.model.lora.NO_ADAPTER` all zeros (the base model)."""
+
+    weights: lora_math.Weights
+    scale: Array
+
+    @property
+    def count(self) -> int:
+        """Adapter slots, the all-zero slot 0 included."""
+        return int(self.scale.shape[0])
+
+
 class Weights(NamedTuple):
     r"""What prefill and decode read: the model's ``params``, and its LM head as a
     ``[d_model, vocab]`` kernel prepared once for decoding (None: the model's own). With
     int8 weights the dense kernels in ``params`` and the head are
-    :class:`~jaxlab.model.quant.QuantizedKernel`\ s."""
+    :class:`~jaxlab.model.quant.QuantizedKernel`\ s. ``adapters``: the LoRA adapters the
+    rows choose from by id (None: the base model alone)."""
 
     params: nnx.State
     head: Array | QuantizedKernel | None = None
+    adapters: Adapters | None = None
+
+
+def lora_for(weights: Weights, ids: Array) -> lora_math.Lora | None:
+    """The adapters of a forward whose rows have adapter ``ids i32[B]`` (None without
+    adapters: the base model's forward, unchanged)."""
+    a = weights.adapters
+    return None if a is None else lora_math.Lora(a.weights, a.scale, ids)
 
 
 _transposed = jax.jit(jnp.transpose)
@@ -103,14 +127,14 @@ def advance_rows(
 # --------------------------------------------------------------------------- prefill
 
 PrefillFn = Callable[
-    [Weights, tuple[PagedCache, ...], Array, Array, Array, Array, Array, SamplingArrays],
+    [Weights, tuple[PagedCache, ...], Array, Array, Array, Array, Array, Array, SamplingArrays],
     tuple[tuple[PagedCache, ...], DecodeState],
 ]
 
 
 def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> PrefillFn:
     """``prefill(weights, pools, tokens i32[R, T], starts i32[R], lengths i32[R], table
-    i32[R, max_pages], generated i32[R], sampling) -> (pools, prefix)``.
+    i32[R, max_pages], generated i32[R], adapter i32[R], sampling) -> (pools, prefix)``.
 
     Row ``r`` holds a chunk's tokens at positions ``starts[r] ..``, right-padded to the
     bucket length ``T``, real up to ``lengths[r]``; ``table[r]`` is its sequence's pages.
@@ -120,8 +144,9 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
     forward, attention over the chunk alone, exactly what a whole prompt costs without a
     cache; otherwise :meth:`~jaxlab.model.Transformer.extend` over the pages, which also
     reads the positions before each chunk. The head runs at each row's last real position
-    only, and samples with key index ``generated[r]``. The prefix is a decode state of
-    ``R`` rows with no pools, holding ``table``.
+    only, and samples with key index ``generated[r]``. Row ``r`` runs with LoRA adapter
+    ``adapter[r]`` of ``weights.adapters`` (ignored without adapters). The prefix is a
+    decode state of ``R`` rows with no pools, holding ``table`` and ``adapter``.
     """
 
     def prefill(
@@ -132,15 +157,18 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
         lengths: Array,
         table: Array,
         generated: Array,
+        adapter: Array,
         sampling: SamplingArrays,
     ) -> tuple[tuple[PagedCache, ...], DecodeState]:
         b, t = tokens.shape
         model = nnx.merge(graphdef, weights.params)
         offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        lora = lora_for(weights, adapter)
         if from_start:
-            h, cache = model.prefill_pages(tokens, offsets, Pages(pools, table))
+            h, cache = model.prefill_pages(tokens, offsets, Pages(pools, table), lora=lora)
         else:
-            h, cache = model.extend(tokens, starts[:, None] + offsets, Pages(pools, table))
+            positions = starts[:, None] + offsets
+            h, cache = model.extend(tokens, positions, Pages(pools, table), lora=lora)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         tok = sample(model.logits(last, weights.head), sampling, generated)
         every = jnp.ones((b,), jnp.bool_)
@@ -152,6 +180,7 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
             generated=generated,
             done=done,
             sampling=sampling,
+            adapter=adapter,
             max_len=max_len,
         )
         return cache.pools, prefix
@@ -174,7 +203,7 @@ def _advance(
     rows. Returns the state (its cache untouched), the new cache, logits and emitted."""
     active = ~st.done
     pos = jnp.minimum(st.pos, st.max_len - 1)
-    h, cache = model.decode(st.tokens, pos, cache, rows=rows)
+    h, cache = model.decode(st.tokens, pos, cache, rows=rows, lora=lora_for(weights, st.adapter))
 
     def head(r: int, h: Array, sp: SamplingArrays, generated: Array) -> tuple[Array, Array]:
         logits = model.logits(h[:r], weights.head)
@@ -332,12 +361,14 @@ def make_insert() -> Callable[[DecodeState, DecodeState, Array], DecodeState]:
 
 __all__ = [
     "NO_TOKEN",
+    "Adapters",
     "PrefillFn",
     "Staging",
     "Weights",
     "advance_rows",
     "decode_loop",
     "decode_step",
+    "lora_for",
     "make_generate",
     "make_insert",
     "make_prefill",

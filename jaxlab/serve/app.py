@@ -5,7 +5,7 @@ Routes::
     GET  /health           200 while the process is alive
     GET  /ready            200 when the model is loaded and warmed, else 503
     GET  /metrics          Prometheus text (own registry)
-    GET  /v1/models        the served model (OpenAI shape)
+    GET  /v1/models        the served models: the base and each LoRA adapter (OpenAI shape)
     POST /v1/generate      native: text, token ids and timings
     POST /v1/completions   OpenAI-compatible subset, ``stream`` = SSE
     POST /v1/chat/completions  the same for conversations (the chat template's prompt)
@@ -157,15 +157,21 @@ class ServeApp:
         return Response(self.service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: HttpRequest) -> Response:
-        return JSONResponse(models_doc(self.service.model_name))
+        return JSONResponse(models_doc(self.service.model_names))
 
     # ---------------------------------------------------------------- generation
 
     def _request(
-        self, prompt: str | list[int], p: _Sampling, stop_token_ids: tuple[int, ...] = ()
+        self,
+        prompt: str | list[int],
+        p: _Sampling,
+        stop_token_ids: tuple[int, ...] = (),
+        *,
+        model: str | None = None,
     ) -> tuple[Request, int]:
         """The checked request for ``prompt`` (text, or token ids) with the body's sampling
-        (server defaults for what it leaves out) and ``stop_token_ids``, and its seed."""
+        (server defaults for what it leaves out) and ``stop_token_ids``, run by ``model``
+        (a name :meth:`served_model` resolved; None: the base), and its seed."""
         from jaxlab.infer.sampling import SamplingParams
 
         limit = self.cfg.max_tokens_limit
@@ -190,7 +196,8 @@ class ServeApp:
             ignore_eos=p.ignore_eos,
         )
         try:
-            return self.service.request(prompt, sampling, p.stop_strings()), seed
+            adapter = 0 if model is None else self.service.adapter_id(model) or 0
+            return self.service.request(prompt, sampling, p.stop_strings(), adapter=adapter), seed
         except (ServeError, ValueError) as e:  # RequestError is a ValueError
             raise api_error(e) from None
 
@@ -251,17 +258,20 @@ class ServeApp:
         )
 
     def served_model(self, requested: str | None) -> str:
-        """The model a request's ``model`` names (None: the default), or 404
-        ``model_not_found``. The one place a request's ``model`` is resolved."""
-        name = self.service.model_name
-        if requested is not None and requested != name:
+        """The model a request's ``model`` names (None: the base model): the base or one of
+        its LoRA adapters, or 404 ``model_not_found``. The one place a request's ``model``
+        is resolved."""
+        if requested is None:
+            return self.service.model_name
+        if self.service.adapter_id(requested) is None:
+            served = ", ".join(repr(n) for n in self.service.model_names)
             raise ApiError(
                 404,
-                f"model {requested!r} does not exist; this server serves {name!r} (GET /v1/models)",
+                f"model {requested!r} does not exist; this server serves {served} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
-        return name
+        return requested
 
     async def completions(self, request: HttpRequest) -> Response:
         body = validate(
@@ -269,7 +279,7 @@ class ServeApp:
         )
         model = self.served_model(body.model)
         prompt = body.single_prompt()
-        req, _ = self._request(prompt, body)
+        req, _ = self._request(prompt, body, model=model)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -315,7 +325,7 @@ class ServeApp:
         messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
         prompt = template.render(messages, add_generation_prompt=True).ids
         try:
-            req, _ = self._request(prompt, body, stop_token_ids=(template.end_id,))
+            req, _ = self._request(prompt, body, stop_token_ids=(template.end_id,), model=model)
         except ApiError as e:
             if e.param == "prompt":  # the rendered conversation is the prompt
                 e.param = "messages"

@@ -31,12 +31,15 @@ def serve_config(
     """The resolved serving config of ``run_dir`` (see the module docstring).
 
     ``serve_fields`` (e.g. ``host="0.0.0.0", port=0, slots=8``) override ``serve.*`` last;
-    ``None`` values are ignored. Raises :class:`~jaxlab.config.ConfigError`.
+    ``None`` values are ignored, and a mapping (``adapters``) is merged over the config's.
+    Raises :class:`~jaxlab.config.ConfigError`.
     """
     cfg = run_config(run_dir, overrides, SERVE_SECTIONS, "jaxlab serve", environ=environ)
     data = cfg.model_dump()
     for key, value in serve_fields.items():
-        if value is not None:
+        if isinstance(value, Mapping) and isinstance(data["serve"].get(key), Mapping):
+            data["serve"][key] = {**data["serve"][key], **value}
+        elif value is not None:
             data["serve"][key] = value
     try:
         return JaxlabConfig.model_validate(data)

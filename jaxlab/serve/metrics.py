@@ -5,7 +5,9 @@ are observed by each request's output (:mod:`jaxlab.serve.output`, on the engine
 the gauges by the scheduler; ``jaxlab_requests_total{status}`` by the HTTP layer (one
 increment per ``/v1/generate`` or ``/v1/completions`` request, labelled with the status
 it answered); ``jaxlab_compilations_total{function}`` is read from the engine's compile
-counters at scrape time. This module defines and renders the metrics; it measures nothing.
+counters at scrape time. The ``jaxlab_model_*`` counters carry the ``model`` a request
+named (the base model or a LoRA adapter, ``serve.adapters``): requests queued, prompt
+tokens and generated tokens per model. This module defines and renders the metrics; it measures nothing.
 """
 
 from __future__ import annotations
@@ -182,7 +184,32 @@ class ServeMetrics:
             ["status"],
             registry=r,
         )
+        self.model_requests = Counter(
+            "jaxlab_model_requests",
+            "Generation requests queued, by the model they named (the base or a LoRA adapter).",
+            ["model"],
+            registry=r,
+        )
+        self.model_prompt_tokens = Counter(
+            "jaxlab_model_prompt_tokens",
+            "Prompt tokens prefilled, by model (the base or a LoRA adapter).",
+            ["model"],
+            registry=r,
+        )
+        self.model_generation_tokens = Counter(
+            "jaxlab_model_generation_tokens",
+            "Tokens generated (stop tokens excluded), by model (the base or a LoRA adapter).",
+            ["model"],
+            registry=r,
+        )
         self.set_state(ModelState.EMPTY)
+
+    def declare_models(self, names: tuple[str, ...]) -> None:
+        """Export the per-model counters at 0 for every served model from the start."""
+        for name in names:
+            self.model_requests.labels(model=name)
+            self.model_prompt_tokens.labels(model=name)
+            self.model_generation_tokens.labels(model=name)
 
     def set_state(self, state: ModelState) -> None:
         for s in ModelState:

@@ -57,6 +57,8 @@ class RequestStream:
       loop: the caller's event loop (events go to an ``asyncio.Queue``, read with
         :meth:`next`); None: a ``queue.Queue``, read with :meth:`get`.
       stream: emit a ``tokens`` event per batch of new tokens; otherwise only the end.
+      model: the ``model`` the request named (the base or a LoRA adapter): the label of
+        its per-model token counters.
 
     Timestamps are ``time.perf_counter()`` values; the durations are seconds.
     """
@@ -69,8 +71,10 @@ class RequestStream:
         metrics: ServeMetrics,
         loop: asyncio.AbstractEventLoop | None = None,
         stream: bool = False,
+        model: str = "",
     ) -> None:
         self.request = request
+        self.model = model
         self.stream = stream
         self.metrics = metrics
         self.text = Detokenizer(tokenizer, request.stop)
@@ -153,6 +157,7 @@ class RequestStream:
         self.t_admit = time.perf_counter()
         self.metrics.queue_time.observe(self.t_admit - self.t_arrival)
         self.metrics.prompt_tokens.inc(len(self.request.prompt_ids))
+        self.metrics.model_prompt_tokens.labels(model=self.model).inc(len(self.request.prompt_ids))
 
     def speculated(self, drafted: int, accepted: int, on: bool) -> None:
         self.draft_tokens += drafted
@@ -193,6 +198,7 @@ class RequestStream:
                 break  # what follows a stop string is dropped
         self.token_ids.extend(kept)
         self.metrics.generation_tokens.inc(len(kept))
+        self.metrics.model_generation_tokens.labels(model=self.model).inc(len(kept))
         reason: FinishReason | None = None
         if self.text.stopped or by_token:
             reason = "stop"

@@ -25,6 +25,7 @@ knows the model, the scheduler or the domain errors (:mod:`jaxlab.serve.app` map
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -347,10 +348,15 @@ def usage_doc(
     return doc
 
 
-def models_doc(name: str) -> dict[str, Any]:
-    """``GET /v1/models``: the one served model."""
-    model = {"id": name, "object": "model", "created": 0, "owned_by": "jaxlab"}
-    return {"object": "list", "data": [model]}
+def models_doc(names: Sequence[str]) -> dict[str, Any]:
+    """``GET /v1/models``: the served models, the base first, then its LoRA adapters (each
+    with ``parent``, the base, as vLLM lists them)."""
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "jaxlab"}
+        | ({"parent": names[0]} if i else {})
+        for i, name in enumerate(names)
+    ]
+    return {"object": "list", "data": data}
 
 
 def _not_json(constant: str) -> Any:

@@ -76,6 +76,12 @@ class _Chunk:
     owners: list[Entry | None]
 
 
+def adapter_salt(adapter: int) -> bytes:
+    """The prefix cache's salt for a request of LoRA adapter ``adapter``: none for the base
+    model, the id otherwise (a prompt's K/V differ between adapters)."""
+    return b"" if adapter == 0 else f"adapter:{adapter}".encode()
+
+
 class Scheduler:
     """Slots, pages, the waiting queue and the decode loop (module docstring).
 
@@ -354,7 +360,7 @@ class Scheduler:
         reserve = max(0, min(self.chunk_tokens, cap - len(seq)))
         for slot in slot_candidates([e is not None for e in self._running], self.groups.rows):
             g = self.groups.group_of(slot)
-            admission = g.pool.admit(entry.id, seq, reserve)
+            admission = g.pool.admit(entry.id, seq, reserve, salt=adapter_salt(req.adapter))
             if admission is None:
                 continue
             entry.slot, self._running[slot] = slot, entry
@@ -385,7 +391,8 @@ class Scheduler:
         last = start + n == len(entry.seq)
         pages = self._group(entry).pool.pages(entry.id)
         tokens = entry.seq[start : start + n]
-        return Chunk(tokens, start, pages, entry.request.sampling, last, len(entry.generated))
+        req = entry.request
+        return Chunk(tokens, start, pages, req.sampling, last, len(entry.generated), req.adapter)
 
     def _run_chunks(self, work: list[tuple[Entry, int]]) -> None:
         """Prefill ``work`` (``(request, tokens)``): one call per slot group (the engine
@@ -642,4 +649,4 @@ class Scheduler:
         self._update_gauges()
 
 
-__all__ = ["PAD_TOKEN", "Output", "Scheduler"]
+__all__ = ["PAD_TOKEN", "Output", "Scheduler", "adapter_salt"]

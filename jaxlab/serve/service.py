@@ -100,7 +100,8 @@ def run_dir_loader(
     """A loader restoring ``step`` (None = latest) of a run with ``cfg``'s inference section.
 
     ``on_note`` hears the one line that names damaged checkpoints skipped on the way
-    (``LoadedRun.note``), if any.
+    (``LoadedRun.note``), if any. ``cfg.serve.adapters`` are loaded onto the engine, each
+    checked against the checkpoint loaded (:mod:`jaxlab.serve.adapters`).
     """
 
     def load() -> ServedModel:
@@ -111,7 +112,13 @@ def run_dir_loader(
         run = load_run(run_dir, step, cfg=cfg)
         if run.note is not None and on_note is not None:
             on_note(run.note)
-        engine = Engine(run.graphdef, run.params, run.cfg)
+        stacked = None
+        if cfg.serve.adapters:
+            from jaxlab.serve.adapters import base_params_sha256, load_adapters
+
+            _, digest = base_params_sha256(run_dir, run.step)
+            _, stacked = load_adapters(cfg.serve.adapters, digest, run.cfg.model)
+        engine = Engine(run.graphdef, run.params, run.cfg, adapters=stacked)
         spec = with_speculation(engine, run.cfg.inference.speculative, run.tokenizer)
         return ServedModel(spec, run.tokenizer, run.step)
 
@@ -137,6 +144,7 @@ class ModelService:
         self.lifecycle = Lifecycle()
         self.lifecycle.add_listener(lambda old, new: self.metrics.set_state(new))
         self.lifecycle.add_listener(self._log_change)
+        self.metrics.declare_models(self.model_names)
         self.model: ServedModel | None = None
         self.scheduler: Scheduler | None = None
         self._limits: Limits | None = None
@@ -194,6 +202,17 @@ class ModelService:
         return self.serve_cfg.model_name
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every ``model`` a request may name: the base, then each LoRA adapter
+        (``serve.adapters``); a name's index is its adapter id."""
+        return (self.model_name, *self.serve_cfg.adapters)
+
+    def adapter_id(self, name: str) -> int | None:
+        """The adapter id of model ``name`` (0: the base model), or None if not served."""
+        names = self.model_names
+        return names.index(name) if name in names else None
+
+    @property
     def engine(self) -> Engine | SpeculativeEngine | None:
         return self.model.engine if self.model is not None else None
 
@@ -201,6 +220,7 @@ class ModelService:
         eng = self.engine
         return {
             "model": self.model_name,
+            "adapters": list(self.serve_cfg.adapters),
             "state": str(self.state),
             "checkpoint_step": self.model.checkpoint_step if self.model is not None else None,
             "platform": eng.platform if eng is not None else None,
@@ -251,6 +271,12 @@ class ModelService:
             model = self._load()
             self.load_s = time.perf_counter() - t0
             engine = model.engine
+            held = getattr(engine, "num_adapters", 0)
+            if held != len(self.serve_cfg.adapters):
+                raise ValueError(
+                    f"serve.adapters names {len(self.serve_cfg.adapters)} adapter(s) but the "
+                    f"engine holds {held}"
+                )
             self._limits = engine.limits(model.tokenizer.eot_id)
             self.model = model
             if self._stop_requested:
@@ -353,7 +379,12 @@ class ModelService:
     # ------------------------------------------------------------------ requests
 
     def request(
-        self, prompt: str | Sequence[int], sampling: SamplingParams, stop: Sequence[str] = ()
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams,
+        stop: Sequence[str] = (),
+        *,
+        adapter: int = 0,
     ) -> Request:
         """``prompt`` (text, or token ids such as a rendered chat) encoded and checked against the model (``Request.create``, the one
         check a request gets) and the KV pool (a request that could never fit it is refused
@@ -365,7 +396,9 @@ class ModelService:
         if self.state != ModelState.READY or model is None or limits is None or sched is None:
             raise NotAccepting(str(self.state))
         ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        req = Request.create(ids, sampling, limits, stop=stop)
+        if not 0 <= adapter < len(self.model_names):
+            raise ValueError(f"adapter id {adapter} out of range 0..{len(self.model_names) - 1}")
+        req = Request.create(ids, sampling, limits, stop=stop, adapter=adapter)
         problem = sched.refusal(req)
         if problem is not None:
             raise RequestTooLong(problem, param="prompt")
@@ -385,9 +418,15 @@ class ModelService:
         if self.state != ModelState.READY or sched is None or model is None:
             raise NotAccepting(str(self.state))
         out = RequestStream(
-            request, model.tokenizer, metrics=self.metrics, loop=loop, stream=stream
+            request,
+            model.tokenizer,
+            metrics=self.metrics,
+            loop=loop,
+            stream=stream,
+            model=self.model_names[request.adapter],
         )
         rid = sched.submit(request, out)
+        self.metrics.model_requests.labels(model=out.model).inc()
         out.on_cancel(lambda: sched.cancel(rid))
         return out
 

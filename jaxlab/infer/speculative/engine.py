@@ -78,6 +78,13 @@ class SpeculativeEngine:
             raise ValueError(f"inference.speculative.method = {spec.method!r}: nothing to run")
         if (spec.method == "draft") != (draft is not None):
             raise ValueError("a draft engine is needed for method 'draft', and only for it")
+        if engine.num_adapters:
+            # Its steps run the model without the rows' adapters: it would serve base output.
+            raise ValueError(
+                f"inference.speculative.method = {spec.method!r} cannot serve LoRA adapters "
+                f"({engine.num_adapters} loaded); set inference.speculative.method=off or "
+                "serve without adapters"
+            )
         if draft is not None:
             for name in ("vocab_size", "max_len", "page_size"):
                 if getattr(draft, name) != getattr(engine, name):
