@@ -261,7 +261,8 @@ def weight_delta(w: Mapping[str, Array], scale: float) -> Array:
 def merge(cfg: ModelConfig, params: Any, weights: Weights, scale: float) -> Any:
     """Base ``params`` (a pure dict, :func:`flax.nnx.to_pure_dict`) with one adapter folded
     in: every adapted kernel becomes ``W + scale * A @ B`` (summed in f32, stored in the
-    kernel's dtype). Works on unrolled and stacked (``scan_layers``) parameters."""
+    kernel's dtype). ``params`` is updated in place and returned. Works on unrolled and
+    stacked (``scan_layers``) parameters."""
     deltas = {name: weight_delta(w, scale) for name, w in weights.items()}
     cols = qkv_columns(cfg)
     blocks = params["blocks"]

@@ -109,8 +109,8 @@ def check_base(adapter: Adapter, params_sha256: str, where: str = "the base give
             f"the adapter of {adapter.run_dir} (step {adapter.step})",
             adapter.base.params_sha256,
             params_sha256,
-            f"load it on its own base ({adapter.base.run_dir}, step {adapter.base.step}), not "
-            f"{where}",
+            f"load it on its own base ({adapter.base.run_dir}, step {adapter.base.step})",
+            given=where,
         )
 
 

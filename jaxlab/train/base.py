@@ -35,11 +35,11 @@ class BaseRunError(ValueError):
 class WrongBase(BaseRunError):
     """Parameters (or an adapter) were asked to sit on a base other than their own."""
 
-    def __init__(self, what: str, expected: str, found: str, fix: str):
+    def __init__(self, what: str, expected: str, found: str, fix: str, given: str):
         self.expected = expected
         self.found = found
         super().__init__(
-            f"{what} belongs to the base with params sha256 {expected}, but the base given has "
+            f"{what} was trained on the base with params sha256 {expected}, but {given} has "
             f"params sha256 {found}; {fix}"
         )
 
@@ -155,11 +155,12 @@ def load_params(ref: BaseRef, base_cfg: Any, sharding: Callable[[Any], Any] | No
         digest = params_digest(ck.restore_meta(ref.step))
         if digest != ref.params_sha256:
             raise WrongBase(
-                f"this run's base ({ref.run_dir}, step {ref.step})",
+                "this run",
                 ref.params_sha256,
                 str(digest),
                 "the base run's checkpoint changed since this run was started from it; restore "
                 "that checkpoint, or start a new run from the base as it is now",
+                given=f"its base's checkpoint now ({ref.run_dir}, step {ref.step})",
             )
         with quiet_orbax():
             return ck.restore_subset(ref.step, {"params": target})["params"]

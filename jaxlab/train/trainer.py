@@ -349,6 +349,7 @@ class Trainer:
                     str(saved),
                     self.base.params_sha256,
                     f"restore the base it was trained on into {self.base.run_dir}",
+                    given=f"the base this run records ({self.base.run_dir}, step {self.base.step})",
                 )
         self.state = restored
         self.restored = Restored(report.step, None, report.skipped)

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
+from jaxlab.kernels.rows import Rows
 from jaxlab.model import lora, make_model, split_model
 from jaxlab.model.quant import quantize_dense
 
@@ -199,3 +200,31 @@ def test_adapters_sit_on_int8_weights_too():
     assert not np.allclose(
         np.asarray(qmodel(tokens, positions, lora=lora.Lora.single(trained, 2.0))), base
     )
+
+
+def test_row_buckets_slice_the_adapter_ids_with_the_rows():
+    """A decode step that computes only the leading rows (``Rows``) gives them their own
+    adapters: the ids are sliced with the rows."""
+    cfg = tiny()
+    model = make_model(cfg, F32, seed=0)
+    graphdef, params = split_model(model)
+    w1, w2 = trained_like(cfg, 2, TARGETS, 1), trained_like(cfg, 2, ("q", "mlp"), 2)
+    weights, scale = lora.stack(cfg, [(w1, 2.0), (w2, 1.0)])
+    tokens, positions = inputs(b=4, t=6, seed=8)
+    nxt, pos = jnp.asarray([3, 4, 5, 6], jnp.int32), jnp.full((4,), 6, jnp.int32)
+
+    @jax.jit
+    def step(params: Any, active: jax.Array, adapters: Any) -> jax.Array:
+        m = nnx.merge(graphdef, params)
+        _, cache = m.prefill(tokens, positions, 16, lora=adapters)
+        rows = Rows.up_to_last(active, (1, 4))
+        d, _ = m.decode(nxt, pos, cache, rows=rows, lora=adapters)
+        return m.logits(d)
+
+    ids = jnp.asarray([2, 1, 0, 1], jnp.int32)
+    one_row = step(params, jnp.asarray([True, False, False, False]), lora.Lora(weights, scale, ids))
+    all_rows = step(params, jnp.ones((4,), bool), lora.Lora(weights, scale, ids))
+    np.testing.assert_allclose(
+        np.asarray(one_row[0]), np.asarray(all_rows[0]), rtol=1e-5, atol=1e-5
+    )
+    assert float(jnp.abs(one_row[1:]).max()) == 0.0  # rows not computed come out as zeros
