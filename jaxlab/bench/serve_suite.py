@@ -50,7 +50,7 @@ COMPARE_REQUESTS = 96
 TARGET_SPEEDUP = 4.0
 
 
-def _shape(ctx: BenchContext) -> tuple[int, int]:
+def request_shape(ctx: BenchContext) -> tuple[int, int]:
     """(prompt_len, new_tokens) for the configured cache length."""
     cfg = ctx.config
     cap = cfg.inference.max_len or cfg.model.max_seq_len
@@ -85,7 +85,7 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
     )
 
     cfg = ctx.config
-    prompt_len, new = _shape(ctx)
+    prompt_len, new = request_shape(ctx)
     cap = cfg.inference.max_len or cfg.model.max_seq_len
     external = cfg.bench.serve_url or os.environ.get(URL_ENV)
     api_key = cfg.serve.api_key.get_secret_value() if cfg.serve.api_key is not None else None

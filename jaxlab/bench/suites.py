@@ -51,6 +51,7 @@ BUILTIN_SUITE_MODULES: tuple[str, ...] = (
     "jaxlab.bench.infer_suites",
     "jaxlab.bench.peer_suite",
     "jaxlab.bench.serve_suite",
+    "jaxlab.bench.serve_lora",
     "jaxlab.bench.knobs",
     "jaxlab.bench.lora_suite",
     "jaxlab.bench.speculative",
