@@ -12,7 +12,9 @@ which is what this measures, and ``ignore_eos`` fixes every output length).
 Both servers get the same prompts and new-token counts, closed-loop at concurrency
 :data:`CONCURRENCY`; the adapter server's requests name the adapters round-robin, so every
 batched step mixes all of them. The two are measured interleaved (base, adapters, base,
-adapters, ...), so a slow spell of a shared machine falls on both.
+adapters, ...), so a slow spell of a shared machine falls on both. ``--quick`` runs one round
+of 16 requests on :data:`QUICK_SLOTS` slots at that concurrency (a check that the suite
+works: its ratio is not the figure).
 
 Records: per round and server, the serve suite's ``e2e_s``/``ttft_s``/``tpot_s``/``itl_s``
 (:func:`~jaxlab.bench.serve_records.run_records`; case ``model`` is ``base`` or
@@ -42,6 +44,9 @@ RANK = 8
 TARGETS = ("q", "k", "v", "o", "mlp")
 SLOTS = 16
 CONCURRENCY = 16
+#: ``--quick``'s slots and concurrency: one per adapter, still every step mixing all of them,
+#: with a fraction of the warm-up compiles of 16 slots (it checks the suite, not the speed).
+QUICK_SLOTS = ADAPTERS
 #: The adapters' output tokens/s over the base's, at least (issue #36).
 TARGET_RATIO = 0.7
 
@@ -68,9 +73,11 @@ def serve_lora_suite(ctx: BenchContext) -> Iterator[Record]:
     prompt_len, new = request_shape(ctx)
     cap = cfg.inference.max_len or cfg.model.max_seq_len
     names = adapter_names()
-    shape = {"prompt_len": prompt_len, "new_tokens": new, "concurrency": CONCURRENCY}
+    slots = QUICK_SLOTS if ctx.quick else SLOTS
+    concurrency = QUICK_SLOTS if ctx.quick else CONCURRENCY
+    shape = {"prompt_len": prompt_len, "new_tokens": new, "concurrency": concurrency}
     lora_case = {"adapters": ADAPTERS, "rank": RANK, "targets": ",".join(TARGETS)}
-    n = 32 if ctx.quick else 96
+    n = 16 if ctx.quick else 96
     rounds = 1 if ctx.quick else 3
 
     def bodies(seed: int, adapters: bool) -> list[dict[str, Any]]:
@@ -83,20 +90,20 @@ def serve_lora_suite(ctx: BenchContext) -> Iterator[Record]:
 
     def warm(adapters: bool) -> Callable[[str, int], object]:
         # Untimed: every bucket is compiled at start-up; this runs the first requests.
-        return lambda url, _slots: closed_loop(url, bodies(999, adapters)[:4], 4)
+        return lambda url, slots: closed_loop(url, bodies(999, adapters)[:slots], slots)
 
     base_model, lora_model, lora_cfg = _models(cfg, names)
     with (
         Servers(base_model, cfg, cap, warm=warm(False), status=ctx.status) as base_pool,
         Servers(lora_model, lora_cfg, cap, warm=warm(True), status=ctx.status) as lora_pool,
     ):
-        urls = {"base": base_pool.get(SLOTS).url, "adapters": lora_pool.get(SLOTS).url}
+        urls = {"base": base_pool.get(slots).url, "adapters": lora_pool.get(slots).url}
         results: dict[str, list[LoadResult]] = {"base": [], "adapters": []}
         for rnd in range(rounds):
             for model, url in urls.items():
-                ctx.status(f"{model}: concurrency {CONCURRENCY}, {n} requests, round {rnd + 1}")
+                ctx.status(f"{model}: concurrency {concurrency}, {n} requests, round {rnd + 1}")
                 load = closed_loop(
-                    url, bodies(700 + rnd, adapters=model == "adapters"), CONCURRENCY
+                    url, bodies(700 + rnd, adapters=model == "adapters"), concurrency
                 )
                 results[model].append(load)
                 case = {"mode": "lora-compare", "model": model, "round": rnd, **shape}
