@@ -11,7 +11,7 @@ install:
 
 # Whole test suite (slow tests included, as CI runs it)
 test *ARGS:
-    pdm run pytest {{ARGS}}
+    pdm run test {{ARGS}}
 
 # Everything but the tests marked slow
 test-fast *ARGS:
