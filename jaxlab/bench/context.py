@@ -340,8 +340,8 @@ class BenchContext:
 
         ``gb_per_s`` is ``bytes_per_s`` in GB/s; ``bw_util_datasheet`` divides it by the
         datasheet's HBM bandwidth (``datasheet_gb_per_s``, where known), ``bw_util_measured``
-        by the fastest copy of this run (``measured_gb_per_s``, read + write, named by
-        ``measured_bandwidth``), and ``bw_util`` (``bw_util_basis``) is the datasheet's where
+        by the fastest memory pass of this run (``measured_gb_per_s``: a copy's read + write
+        or a read alone, named by ``measured_bandwidth``), and ``bw_util`` (``bw_util_basis``) is the datasheet's where
         there is one. One device.
         """
         from jaxlab.bench.peak import COPY_METRIC, best_record, describe_peak
@@ -364,7 +364,7 @@ class BenchContext:
         out["bw_util_basis"] = basis
         if out["bw_util_measured"] is not None and out["bw_util_measured"] > 1.0:
             out["bw_note"] = (
-                "faster than the run's copy: the bytes fit in a cache the copy's array does "
-                "not (a small model on a CPU)"
+                "faster than the run's measured bandwidth: the bytes fit in a cache the "
+                "peak's array does not (a small model on a CPU)"
             )
         return out

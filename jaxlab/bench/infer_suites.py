@@ -160,7 +160,9 @@ def decode_suite(ctx: BenchContext) -> Iterator[Record]:
     prompt, new = min(32, cap // 4), min(128, cap // 2)
     if ctx.quick:
         new = min(new, 32)
-    if jax.default_backend() == "cpu":
+    if cfg.bench.decode_batches is not None:
+        batches = list(cfg.bench.decode_batches)
+    elif jax.default_backend() == "cpu":
         batches = [1, 8] if ctx.quick else [1, 4, 8, 16]
     else:  # an accelerator's step barely grows with rows: up to 32 (the target)
         batches = [1, 8, 32] if ctx.quick else [1, 4, 8, 16, 32]

@@ -70,6 +70,7 @@ class StepRunner:
             grad_accum_steps=grad_accum_steps,
             dropout=cfg.model.dropout_rate > 0,
             lora=spec,
+            loss_chunk_tokens=t.loss_chunk_tokens,
         )
         self.jitted = jax.jit(step, donate_argnums=0)
         seq = cfg.data.seq_len

@@ -2,8 +2,11 @@
 
 * matmul throughput for float32 and bfloat16: a jitted ``a @ b`` of two square ``n x n``
   matrices, ``GFLOP/s = 2 n^3 / median time``;
-* memory bandwidth: a jitted elementwise ``x + 1`` over a large float32 array (every byte is
-  read once and written once), ``GB/s = 2 * bytes / median time``.
+* memory bandwidth, two ways: a jitted elementwise ``x + 1`` over a large float32 array
+  (every byte is read once and written once), ``GB/s = 2 * bytes / median time``; and a
+  read alone, a column sum of the same bytes as a ``[rows, 1024]`` bfloat16 matrix
+  (``GB/s = bytes / median time``), which is the traffic of a decode step: weights and
+  K/V read, almost nothing written. The faster of the two is the measured bandwidth.
 
 Sizes: ``n = 2048`` (``1024`` with --quick) and 256 MiB (64 MiB) on CPU; on an accelerator,
 where those finish in microseconds and dispatch overhead would dominate, ``n = 8192`` and
@@ -66,7 +69,8 @@ def peak_gflops(records: Iterable[Record], dtype: str = "float32") -> float | No
 
 
 def peak_gb_per_s(records: Iterable[Record]) -> float | None:
-    """The best copy bandwidth (GB/s, read + write) among ``records``, or None."""
+    """The best memory bandwidth (GB/s: a copy's read + write, or a read) among
+    ``records``, or None."""
     r = best_record(records, COPY_METRIC, "gb_per_s")
     return None if r is None else float(r.derived["gb_per_s"])
 
@@ -74,11 +78,12 @@ def peak_gb_per_s(records: Iterable[Record]) -> float | None:
 def describe_peak(record: Record) -> str:
     """What a measured peak was, in words: ``bfloat16 matmul n=8192, run R (--quick)``."""
     c = record.case
-    what = (
-        f"{c.get('dtype')} matmul n={c.get('n')}"
-        if record.metric == MATMUL_METRIC
-        else f"{c.get('dtype')} copy of {c.get('mib')} MiB (read + write)"
-    )
+    if record.metric == MATMUL_METRIC:
+        what = f"{c.get('dtype')} matmul n={c.get('n')}"
+    elif c.get("op") == "read":
+        what = f"{c.get('dtype')} read of {c.get('mib')} MiB (a column sum)"
+    else:
+        what = f"{c.get('dtype')} copy of {c.get('mib')} MiB (read + write)"
     quick = " (--quick)" if record.derived.get("quick") else ""
     return f"{what}, median of {record.stats.n}, run {record.run_id}{quick}"
 
@@ -135,6 +140,25 @@ def peak_suite(ctx: BenchContext) -> Iterator[Record]:
         derive=lambda s: {
             "gb_per_s": moved / s.median_value / 1e9,
             "bytes_moved": moved,
+            "quick": ctx.quick,
+        },
+    )
+
+    case = {"op": "read", "dtype": "bfloat16", "mib": mib}
+    try:
+        m = jnp.ones((mib * 2**20 // 2 // 1024, 1024), dtype=jnp.bfloat16)
+        jax.block_until_ready(m)
+    except Exception as e:
+        yield ctx.failure(COPY_METRIC, e, case=case)
+        return
+    read = jax.jit(lambda v: jnp.sum(v, axis=0, dtype=jnp.float32))  # 4 KiB written
+    yield ctx.bench(
+        COPY_METRIC,
+        lambda: read(m),
+        case=case,
+        derive=lambda s: {
+            "gb_per_s": m.nbytes / s.median_value / 1e9,
+            "bytes_moved": m.nbytes,
             "quick": ctx.quick,
         },
     )

@@ -278,7 +278,7 @@ def _plot_peak(recs: list[Record], fig: Any) -> None:
     labels, values = _derived_bars(mm, "gflops")
     _bars(axes[0], labels, values, "GFLOP/s", "matmul throughput (2n^3 / median)")
     labels, values = _derived_bars(cp, "gb_per_s")
-    _bars(axes[1], labels, values, "GB/s", "memory bandwidth (read + write)")
+    _bars(axes[1], labels, values, "GB/s", "memory bandwidth (copy: read + write; read)")
 
 
 @plotter("tokenizer")

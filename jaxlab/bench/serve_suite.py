@@ -123,7 +123,8 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
         url = start(SWEEP_SLOTS)
         slots_label = "external" if external else SWEEP_SLOTS
         capacity: float | None = None
-        for c in [1, 4, 16] if ctx.quick else [1, 4, 16, 64]:
+        levels = cfg.bench.serve_concurrency or ([1, 4, 16] if ctx.quick else [1, 4, 16, 64])
+        for c in levels:
             n = max(8 if ctx.quick else ctx.min_samples_for_tails, (2 if ctx.quick else 3) * c)
             case = {"mode": "closed", "concurrency": c, "slots": slots_label, **base}
             ctx.status(f"closed loop, concurrency {c}, {n} requests")

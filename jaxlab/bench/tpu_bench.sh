@@ -41,6 +41,11 @@
 # bounds the call's measuring time. Unpack with `tar xzf tpu-bench-*.tgz -C docs/benchmarks`
 # (each run directory is a record set), then `jaxlab bench results docs/benchmarks/*`.
 #
+# Choosing what a call measures (each unset: the phase as listed above):
+#   TPU_BENCH_VARIANTS      the knobs phases' variants, ';'-separated ('' = the preset)
+#   TPU_BENCH_DECODE_BATCHES  the decode phase's batch sizes, e.g. [1,32]
+#   TPU_BENCH_SERVE_CONCURRENCY  the serve phases' closed-loop levels, e.g. [64]
+#
 # For a dry run of the machinery on a CPU (tests/bench/test_tpu_bench_script.py does this):
 # TPU_BENCH_PLATFORM=cpu, TPU_BENCH_SMALL / TPU_BENCH_MEDIUM (presets to use instead) and
 # TPU_BENCH_ARGS (more options for every `jaxlab bench`, e.g. --quick).
@@ -100,7 +105,12 @@ knobs() {
     local config=$1
     shift
     local json
-    json=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
+    if [ -n "${TPU_BENCH_VARIANTS+set}" ]; then
+        json=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1].split(";")))' \
+            "$TPU_BENCH_VARIANTS")
+    else
+        json=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
+    fi
     jx bench peak knobs --config "$config" --set "runtime.platform=$PLATFORM" \
         --set "bench.train_variants=$json" --out "$DIR" ${KNOBS_EXTRA:-} "${ARGS[@]}"
 }
@@ -128,6 +138,7 @@ phase_decode() {
             jx bench decode --config "$SMALL" --set "runtime.platform=$PLATFORM" \
                 --set train.precision.param_dtype=bfloat16 --set "model.attention_impl=$impl" \
                 --set "inference.weights=$([ "$weights" = int8 ] && echo int8 || echo float)" \
+                ${TPU_BENCH_DECODE_BATCHES:+--set "bench.decode_batches=$TPU_BENCH_DECODE_BATCHES"} \
                 --out "$DIR" "${ARGS[@]}"
         done
     done
@@ -208,7 +219,9 @@ phase_serve() {
     say "server ready"
     # The client runs on the CPU: the chip is the server's (one process at a time holds it).
     jx bench serve --cpu --config "$SMALL" --set tokenizer.kind=byte \
-        --set train.precision.param_dtype=bfloat16 --url "unix:$sock" --out "$DIR" "${ARGS[@]}"
+        --set train.precision.param_dtype=bfloat16 --url "unix:$sock" \
+        ${TPU_BENCH_SERVE_CONCURRENCY:+--set "bench.serve_concurrency=$TPU_BENCH_SERVE_CONCURRENCY"} \
+        --out "$DIR" "${ARGS[@]}"
     kill -TERM "$server" 2>/dev/null
     wait "$server"
     say "server exit $?"

@@ -11,7 +11,7 @@ without importing jax.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -333,6 +333,17 @@ class TrainConfig(Section):
     grad_accum_steps: int = Field(
         default=1, ge=1, description="Micro-batches scanned inside one step."
     )
+    loss_chunk_tokens: int = Field(
+        default=256,
+        ge=1,
+        le=1 << 20,
+        description=(
+            "Tokens per block of the fused LM head + cross-entropy (the [tokens, vocab]"
+            " logits are made, reduced and differentiated a block at a time, never whole)."
+            " 256 keeps a block in a CPU's cache; an accelerator wants fewer, larger blocks"
+            " (the TPU presets' choice is measured in docs/performance.md)."
+        ),
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
@@ -630,6 +641,23 @@ class BenchConfig(Section):
         description=(
             "A draft run of speculative_run_dir's tokenizer: the speculative cases then also"
             " measure the 'draft' method."
+        ),
+    )
+    decode_batches: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "The 'decode' suite's batch sizes, in order (step_vs_batch1 needs 1 first)."
+            " Unset: 1, 4, 8, 16 on a CPU, up to 32 on an accelerator (--quick: fewer)."
+        ),
+    )
+    serve_concurrency: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "The 'serve' suite's closed-loop concurrency levels. Unset: 1, 4, 16, 64"
+            " (--quick: 1, 4, 16). The Poisson cases need 16 among them (their rate is a"
+            " share of its throughput)."
         ),
     )
     train_variants: list[str] | None = Field(

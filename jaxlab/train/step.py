@@ -45,7 +45,7 @@ from flax import nnx
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
 from jaxlab.model import make_model, split_model
 from jaxlab.model.lora import Lora
-from jaxlab.model.loss import head_cross_entropy
+from jaxlab.model.loss import DEFAULT_CHUNK, head_cross_entropy
 
 Array = jax.Array
 TrainState = dict[str, Any]
@@ -125,6 +125,8 @@ def token_losses(
     batch: Batch,
     dropout_key: Array | None,
     lora: Lora | None = None,
+    *,
+    loss_chunk_tokens: int = DEFAULT_CHUNK,
 ) -> tuple[Array, Array, Array]:
     """(summed masked cross-entropy, real-token count, correct predictions), all f32.
 
@@ -133,7 +135,8 @@ def token_losses(
     ``argmax(logits) == target`` the same way. The LM head and the cross-entropy run fused
     and chunked (:func:`jaxlab.model.loss.head_cross_entropy`): the ``[B, T, vocab]``
     logits and their gradient are never materialised, which on a memory-bound CPU is
-    most of the head's cost (``docs/performance.md``). ``lora``: adapters on the model.
+    most of the head's cost (``docs/performance.md``). ``lora``: adapters on the model;
+    ``loss_chunk_tokens``: tokens per logits block (``train.loss_chunk_tokens``).
     """
     model = nnx.merge(graphdef, params)
     h = model.features(
@@ -152,6 +155,7 @@ def token_losses(
         mask,
         vocab_major=vocab_major,
         compute_dtype=model.compute_dtype,
+        chunk=loss_chunk_tokens,
     )
     return total, jnp.sum(mask), correct
 
@@ -164,6 +168,7 @@ def make_train_step(
     grad_accum_steps: int,
     dropout: bool,
     lora: LoraSpec | None = None,
+    loss_chunk_tokens: int = DEFAULT_CHUNK,
 ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """Build the pure step function (jit it with ``donate_argnums=0``).
 
@@ -171,14 +176,17 @@ def make_train_step(
     params are the adapter, ``base`` the frozen model parameters.
     """
     lora_dropout = lora is not None and lora.dropout > 0
+    chunk = loss_chunk_tokens
 
     def sum_loss(params: Any, batch: Batch, key: Array | None, base: Any):
         if lora is None:
-            total, n, correct = token_losses(graphdef, params, batch, key)
+            total, n, correct = token_losses(graphdef, params, batch, key, loss_chunk_tokens=chunk)
         else:
             model_key = key if dropout else None
             adapters = lora.adapters(params, key if lora_dropout else None)
-            total, n, correct = token_losses(graphdef, base, batch, model_key, adapters)
+            total, n, correct = token_losses(
+                graphdef, base, batch, model_key, adapters, loss_chunk_tokens=chunk
+            )
         return total, (n, correct)
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)

@@ -288,6 +288,7 @@ class Trainer:
                 grad_accum_steps=t.grad_accum_steps,
                 dropout=cfg.model.dropout_rate > 0,
                 lora=self.lora,
+                loss_chunk_tokens=t.loss_chunk_tokens,
             ),
             name="train_step",
             donate_argnums=(0,),

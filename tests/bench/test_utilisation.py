@@ -115,6 +115,13 @@ def test_bandwidth_against_both_denominators(tmp_path):
     assert out["bw_util_measured"] == pytest.approx(409.5 / 700.0)
     assert out["measured_bandwidth"].startswith("float32 copy of 1024 MiB (read + write)")
     assert peak_gb_per_s(ctx.records) == 700.0
+    # A read alone faster than the copy: it becomes the measured bandwidth, named as a read.
+    add_peak(ctx, "copy_time", {"op": "read", "dtype": "bfloat16", "mib": 1024}, gb_per_s=780.0)
+    out = ctx.bandwidth(409.5e9)
+    assert out["bw_util_measured"] == pytest.approx(409.5 / 780.0)
+    assert out["measured_bandwidth"].startswith("bfloat16 read of 1024 MiB (a column sum)")
+    assert out["bw_util"] == pytest.approx(0.5)  # the datasheet stays the headline
+    assert peak_gb_per_s(ctx.records) == 780.0
     cpu = context(tmp_path / "cpu", CPU)
     add_peak(cpu, "copy_time", {"op": "copy", "dtype": "float32", "mib": 64}, gb_per_s=20.0)
     out = cpu.bandwidth(10e9)

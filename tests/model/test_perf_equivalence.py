@@ -126,8 +126,16 @@ def test_correct_count_breaks_ties_like_argmax():
     assert float(correct) == float(ref)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_token_losses_equal_plain_logits_loss(tied):
+@pytest.mark.parametrize(
+    ("tied", "chunk"),
+    [
+        (True, 256),  # train.loss_chunk_tokens's default: one block of every token here
+        (False, 256),
+        (True, 6),  # 2 positions of the 3 rows per block: 10 blocks
+        (False, 15),  # 5 positions per block: 4 blocks
+    ],
+)
+def test_token_losses_equal_plain_logits_loss(tied, chunk):
     cfg = load_config(
         "tiny",
         [
@@ -161,7 +169,7 @@ def test_token_losses_equal_plain_logits_loss(tied):
         return total, (jnp.sum(mask), correct)
 
     def fused(params):
-        total, n, correct = token_losses(graphdef, params, batch, None)
+        total, n, correct = token_losses(graphdef, params, batch, None, loss_chunk_tokens=chunk)
         return total, (n, correct)
 
     (lf, (nf, cf)), gf = jax.jit(jax.value_and_grad(fused, has_aux=True))(params)
