@@ -11,7 +11,9 @@ changed at a time:
 * parameters: bf16 parameters with f32 master weights against f32 parameters
   (``train.precision.param_dtype`` / ``master_dtype``);
 * batch and accumulation: twice the batch over twice the micro-batches (the same
-  micro-batch), twice the micro-batches (half the micro-batch), twice the batch.
+  micro-batch), twice the micro-batches (half the micro-batch), twice the batch;
+* the LM head's cross-entropy block (``train.loss_chunk_tokens``): 16 times larger, or
+  16 times smaller where it is large already.
 
 XLA and libtpu flags are read once per process, so they cannot vary between the cases of
 one run: run the suite once per flag set (``--set runtime.libtpu_init_args=[...]``); the
@@ -60,6 +62,8 @@ def default_variants(cfg: JaxlabConfig) -> list[str]:
     if b % (2 * a) == 0:
         out.append(f"train.grad_accum_steps={2 * a}")
     out.append(f"train.batch_size={2 * b}")
+    c = t.loss_chunk_tokens
+    out.append(f"train.loss_chunk_tokens={c // 16 if c >= 4096 else c * 16}")
     return out
 
 

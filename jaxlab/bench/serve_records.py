@@ -57,6 +57,19 @@ def run_records(
             "e2e_s", f"every request failed: {load.error_summary()}", case=case, unit="s"
         )
         return
+    if load.errors:
+        # Output tokens/s over the wall time of a load some of whose requests failed counts
+        # only the rest: a figure for a load the server did not serve. The record fails and
+        # says what went wrong (a 504 is serve.request_timeout_s, a 429 serve.max_queue).
+        yield ctx.failure(
+            "e2e_s",
+            f"{load.errors} of {len(load.results)} requests failed: {load.error_summary()}"
+            " (status or error: count); no throughput is given for a load the server did not"
+            " serve whole",
+            case=case,
+            unit="s",
+        )
+        return
     derived: dict[str, Any] = {
         "requests_per_s": load.requests_per_s,
         "output_tokens_per_s": load.output_tokens_per_s,

@@ -91,13 +91,16 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
     api_key = cfg.serve.api_key.get_secret_value() if cfg.serve.api_key is not None else None
     model = cfg.serve.model_name if external else None
     base = {"prompt_len": prompt_len, "new_tokens": new}
+    timeout_s = cfg.bench.serve_request_timeout_s
 
     def bodies(n: int, seed: int, temperature: float = 0.0) -> list[dict[str, Any]]:
         prompts = make_prompts(n, prompt_len, seed=seed)
         return completion_bodies(prompts, new, model=model, temperature=temperature, seed=seed)
 
     def run(url: str, n: int, concurrency: int, seed: int, temperature: float = 0.0) -> LoadResult:
-        return closed_loop(url, bodies(n, seed, temperature), concurrency, api_key=api_key)
+        return closed_loop(
+            url, bodies(n, seed, temperature), concurrency, api_key=api_key, timeout_s=timeout_s
+        )
 
     def warm(url: str, slots: int) -> None:
         run(url, min(4, slots), min(4, slots), seed=999)  # untimed
@@ -139,7 +142,10 @@ def serve_suite(ctx: BenchContext) -> Iterator[Record]:
                 rate = frac * capacity
                 case = {"mode": "poisson", "load": frac, "slots": slots_label, **base}
                 ctx.status(f"Poisson arrivals at {rate:.2f} req/s")
-                load = poisson(url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key)
+                load = poisson(
+                    url, bodies(n, seed=100 + n), rate, seed=7, api_key=api_key,
+                    timeout_s=timeout_s,
+                )  # fmt: skip
                 extra = {"rate_per_s": rate, **server, **_groups(groups, SWEEP_SLOTS)}
                 yield from run_records(ctx, load, case, extra, in_process=not external)
         if servers is None or served is None:

@@ -30,7 +30,8 @@
 #            limit at 64 and 96 MiB. About 3-4 min.
 #   cpu-serve  the serve phase on the CPU (run it on the 2-core machine, not the TPU, with
 #            PYTHON=.venv/bin/python TPU_BENCH_BUDGET_S=7200): the same server and load, for
-#            the 10x comparison. Long (tens of minutes).
+#            the 10x comparison, in float32 (the CPU's fastest). Long (tens of minutes;
+#            TPU_BENCH_SERVE_CONCURRENCY=[64] measures only the comparison's level).
 #
 # On the device machine (the `device` tool), with the project's wheels carried:
 #   carry: [".whl-tpu"]   command: bash jaxlab/bench/tpu_bench.sh small
@@ -193,20 +194,27 @@ phase_serve() {
     local run="$DIR/serve-run-$platform"
     local sock
     sock=$(mktemp -u /tmp/jaxlab-XXXXXX.sock)
+    # Each platform in the precision it runs fastest: bf16 on the chip; float32 on a CPU,
+    # where XLA has no fast bf16 dot (a bf16 CPU server would flatter the chip's ratio).
+    local dtype=bfloat16
+    [ "$platform" = cpu ] && dtype=float32
     local sets=(--set "runtime.platform=$platform" --set tokenizer.kind=byte
-        --set train.precision.param_dtype=bfloat16)
+        --set "train.precision.param_dtype=$dtype" --set "train.precision.compute_dtype=$dtype")
     if [ ! -d "$run/checkpoints" ]; then
         rm -rf "$run"
         jx train --config "$SMALL" "${sets[@]}" --set data.source=synthetic \
-            --set data.seq_len=128 --set train.batch_size=1 --set train.steps=1 \
+            --set data.seq_len=128 --set train.batch_size=1 --set train.grad_accum_steps=1 \
+            --set train.steps=1 \
             --set "runtime.artifacts_dir=$DIR/artifacts" --run-dir "$run" || return
     fi
-    # One prompt bucket past the load's 64-token prompts: few compiles before /ready.
+    # One prompt bucket past the load's 64-token prompts: few compiles before /ready. A
+    # request's timeout long enough for a 64-row CPU step's 128 tokens (about a minute).
     say "jaxlab serve --uds $sock"
     local err="$OUT/serve-$platform.err"
     "$PY" -m jaxlab serve --run-dir "$run" --uds "$sock" --json \
         --set "runtime.platform=$platform" --set 'inference.prefill_buckets=[128]' \
-        --set serve.max_queue=512 >"$OUT/serve-$platform.json" 2>"$err" &
+        --set serve.max_queue=512 --set serve.request_timeout_s=1800 \
+        >"$OUT/serve-$platform.json" 2>"$err" &
     local server=$!
     while ! grep -q "^ready: unix:" "$err" 2>/dev/null || ! [ -S "$sock" ]; do
         if ! kill -0 "$server" 2>/dev/null || [ "$(left)" -lt 60 ]; then
@@ -220,6 +228,7 @@ phase_serve() {
     # The client runs on the CPU: the chip is the server's (one process at a time holds it).
     jx bench serve --cpu --config "$SMALL" --set tokenizer.kind=byte \
         --set train.precision.param_dtype=bfloat16 --url "unix:$sock" \
+        --set bench.serve_request_timeout_s=1800 \
         ${TPU_BENCH_SERVE_CONCURRENCY:+--set "bench.serve_concurrency=$TPU_BENCH_SERVE_CONCURRENCY"} \
         --out "$DIR" "${ARGS[@]}"
     kill -TERM "$server" 2>/dev/null

@@ -660,6 +660,15 @@ class BenchConfig(Section):
             " share of its throughput)."
         ),
     )
+    serve_request_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "The 'serve' suite's client timeout per request (a request past it counts as"
+            " failed, and so does its load's record). A slow server at high concurrency"
+            " needs more: a 64-row CPU step serves 128 tokens in about a minute."
+        ),
+    )
     train_variants: list[str] | None = Field(
         default=None,
         description=(

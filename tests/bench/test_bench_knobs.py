@@ -28,6 +28,7 @@ def test_the_default_sweep_changes_one_knob_at_a_time(preset):
     assert "train.precision.param_dtype=bfloat16 train.precision.master_dtype=float32" in vs
     b, a = cfg.train.batch_size, cfg.train.grad_accum_steps
     assert f"train.batch_size={2 * b} train.grad_accum_steps={2 * a}" in vs
+    assert "train.loss_chunk_tokens=256" in vs  # the presets' 4,096 against the CPU's 256
     given = load_config(preset, ['bench.train_variants=["", "train.remat=full"]'], environ={})
     assert variants(given) == ["", "train.remat=full"]
 

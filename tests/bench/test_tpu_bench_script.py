@@ -64,6 +64,7 @@ def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
         1200,
         TPU_BENCH_FLAGS="--xla_tpu_scoped_vmem_limit_kib=65536",
         TPU_BENCH_BUDGET_S="900",
+        TPU_BENCH_SERVE_CONCURRENCY="[4]",  # one level: the load's machinery, not a sweep
     )
     assert "server ready" in log and "server exit 0" in log and "skipped" not in log
     with tarfile.open(out / "tpu-bench-flags-serve.tgz") as tar:
@@ -76,6 +77,10 @@ def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
     flagged = [m for m in metas if "--xla_tpu_scoped_vmem_limit_kib=65536" in m["libtpu_init_args"]]
     assert len(flagged) == 1 and flagged[0]["suites"] == ["peak", "knobs"]
     assert [m["suites"] for m in metas].count(["serve"]) == 1
+    (served,) = [s for s, m in zip(sets, metas, strict=True) if m["suites"] == ["serve"]]
+    loads = (tmp_path / "unpacked" / served / "records.jsonl").read_text().splitlines()
+    levels = {json.loads(x)["case"].get("concurrency") for x in loads}
+    assert levels == {4}, levels  # TPU_BENCH_SERVE_CONCURRENCY reached the suite
     assert (out / "perfetto-knobs-step_time.json.gz").stat().st_size > 0
     doc = json.loads((out / "serve-cpu.json").read_text())
     assert doc["url"].startswith("unix:") and not os.path.exists(doc["uds"])

@@ -50,10 +50,13 @@ def test_the_tpu_presets_compute_in_bf16_at_their_documented_sizes():
     for c in (small, medium):
         assert c.train.precision.compute_dtype == "bfloat16"
         assert c.model.head_dim == 64 and c.tokenizer.n_vocab == c.model.vocab_size
-    # The knobs measured on the chip: Pallas flash for both; medium's batch of 16 fits one
-    # 16 GB chip without remat as four micro-batches of 4.
+    # The knobs measured on the chip: Pallas flash for both; a batch of 16 as eight
+    # micro-batches of 2 without remat (medium's fits one 16 GB chip that way), the head's
+    # cross-entropy in blocks of 4,096 tokens.
     assert small.model.attention_impl == medium.model.attention_impl == "pallas"
-    assert (medium.train.grad_accum_steps, medium.train.remat) == (4, "none")
+    for c in (small, medium):
+        assert (c.train.grad_accum_steps, c.train.remat) == (8, "none")
+        assert c.train.loss_chunk_tokens == 4096
 
 
 def test_each_source_beats_the_one_below(tmp_path):
