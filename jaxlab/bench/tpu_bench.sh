@@ -17,7 +17,8 @@
 #   medium   the knobs of tpu-medium: the preset (16 as 2 x 8, full remat), Pallas flash,
 #            lighter remat policies, micro-batch 4, master weights, scan; remat none last
 #            (expected not to fit). 7-9 min.
-#   serve    a one-step tpu-small run dir (byte tokenizer, bf16 weights), `jaxlab serve --uds`
+#   serve    a one-step tpu-small run dir (byte tokenizer, bf16 weights; trained on the host's
+#            CPU, which spares the chip a train step's compile), `jaxlab serve --uds`
 #            with 64 slots, `jaxlab bench serve --url unix:...` (closed loop up to 64
 #            concurrent, Poisson) from a CPU-only client process. About 5-6 min.
 #   kernels  the Pallas paged decode kernel: tpu_kernel_smoke.py first (Mosaic lowering and
@@ -202,9 +203,12 @@ phase_serve() {
         --set "train.precision.param_dtype=$dtype" --set "train.precision.compute_dtype=$dtype")
     if [ ! -d "$run/checkpoints" ]; then
         rm -rf "$run"
-        jx train --config "$SMALL" "${sets[@]}" --set data.source=synthetic \
-            --set data.seq_len=128 --set train.batch_size=1 --set train.grad_accum_steps=1 \
-            --set train.steps=1 \
+        # Trained on the host's CPU whatever the platform: the step's weights are what the
+        # server needs, not where they were made, and compiling a train step on the chip
+        # cost the first sessions 90 s of device time. The server's --set picks its platform.
+        jx train --config "$SMALL" "${sets[@]}" --set runtime.platform=cpu \
+            --set data.source=synthetic --set data.seq_len=128 --set train.batch_size=1 \
+            --set train.grad_accum_steps=1 --set train.steps=1 \
             --set "runtime.artifacts_dir=$DIR/artifacts" --run-dir "$run" || return
     fi
     # One prompt bucket past the load's 64-token prompts: few compiles before /ready. A
