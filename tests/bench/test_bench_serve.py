@@ -134,8 +134,9 @@ def test_slot_speedup_is_the_ratio_of_the_rounds_it_summarises(serve_run):
 @pytest.mark.slow
 def test_url_measures_a_running_server_and_skips_the_slot_comparison(tmp_path):
     """``jaxlab bench serve --url``: the load goes to the server given (its request counter
-    says so), every sweep and Poisson case is measured against it, and nothing else is
-    started, so there is no 16-slot vs 1-slot comparison."""
+    says so), the sweep's level asked for (``bench.serve_concurrency``) and the Poisson case
+    are measured against it, and nothing else is started, so there is no 16-slot vs 1-slot
+    comparison."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from jaxlab.bench.serve_servers import serve_cfg, served_model
@@ -149,7 +150,8 @@ def test_url_measures_a_running_server_and_skips_the_slot_comparison(tmp_path):
     with ServerThread(service) as srv:
         srv.wait_ready()
         args = ["bench", "serve", "--quick", "--config", "bench-tiny"]
-        for s in sets:
+        # One closed-loop level, the one the Poisson rate is a share of (bench.serve_concurrency).
+        for s in [*sets, "bench.serve_concurrency=[16]"]:
             args += ["--set", s]
         r = run_cli(*args, "--url", srv.url, "--out", str(tmp_path), "--json", timeout=600)
         assert r.returncode == 0, r.stderr
@@ -162,6 +164,7 @@ def test_url_measures_a_running_server_and_skips_the_slot_comparison(tmp_path):
     records = load_records(Path(r.json()["out_dir"]))
     e2e = [x for x in records if x.metric == "e2e_s"]
     assert {x.case["mode"] for x in e2e} == {"closed", "poisson"}
+    assert [x.case["concurrency"] for x in e2e if x.case["mode"] == "closed"] == [16]
     assert all(x.case["slots"] == "external" and x.status == "ok" for x in e2e)
     assert all(x.derived["errors"] == 0 for x in e2e)
     assert not [x for x in records if x.metric == "slots_speedup"]
