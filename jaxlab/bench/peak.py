@@ -20,7 +20,7 @@ then the headline denominator (``docs/benchmarking.md``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 from jaxlab.bench.context import BenchContext
@@ -124,41 +124,41 @@ def peak_suite(ctx: BenchContext) -> Iterator[Record]:
         yield ctx.bench(MATMUL_METRIC, lambda a=a, b=b: matmul(a, b), case=case, derive=derive)
         del a, b
 
-    case = {"op": "copy", "dtype": "float32", "mib": mib}
-    try:
-        x = jnp.zeros((mib * 2**20 // 4,), dtype=jnp.float32)
-        jax.block_until_ready(x)
-    except Exception as e:
-        yield ctx.failure(COPY_METRIC, e, case=case)
-        return
-    moved = 2 * x.nbytes  # read once + write once
-    copy = jax.jit(lambda v: v + 1.0)
-    yield ctx.bench(
-        COPY_METRIC,
-        lambda: copy(x),
-        case=case,
-        derive=lambda s: {
-            "gb_per_s": moved / s.median_value / 1e9,
-            "bytes_moved": moved,
-            "quick": ctx.quick,
-        },
-    )
+    def bandwidth(
+        case: dict[str, Any], make: Any, op: Any, passes: int
+    ) -> Generator[Record, None, bool]:
+        """One memory pass over ``make()``'s array: ``passes`` = 2 for a read and a write of
+        every byte, 1 for a read. Returns False if the array could not be made."""
+        try:
+            x = make()
+            jax.block_until_ready(x)
+        except Exception as e:
+            yield ctx.failure(COPY_METRIC, e, case=case)
+            return False
+        moved = passes * x.nbytes
+        fn = jax.jit(op)
+        yield ctx.bench(
+            COPY_METRIC,
+            lambda: fn(x),
+            case=case,
+            derive=lambda s: {
+                "gb_per_s": moved / s.median_value / 1e9,
+                "bytes_moved": moved,
+                "quick": ctx.quick,
+            },
+        )
+        return True
 
-    case = {"op": "read", "dtype": "bfloat16", "mib": mib}
-    try:
-        m = jnp.ones((mib * 2**20 // 2 // 1024, 1024), dtype=jnp.bfloat16)
-        jax.block_until_ready(m)
-    except Exception as e:
-        yield ctx.failure(COPY_METRIC, e, case=case)
-        return
-    read = jax.jit(lambda v: jnp.sum(v, axis=0, dtype=jnp.float32))  # 4 KiB written
-    yield ctx.bench(
-        COPY_METRIC,
-        lambda: read(m),
-        case=case,
-        derive=lambda s: {
-            "gb_per_s": m.nbytes / s.median_value / 1e9,
-            "bytes_moved": m.nbytes,
-            "quick": ctx.quick,
-        },
+    copied = yield from bandwidth(
+        {"op": "copy", "dtype": "float32", "mib": mib},
+        lambda: jnp.zeros((mib * 2**20 // 4,), dtype=jnp.float32),
+        lambda v: v + 1.0,
+        passes=2,
     )
+    if copied:
+        yield from bandwidth(
+            {"op": "read", "dtype": "bfloat16", "mib": mib},
+            lambda: jnp.ones((mib * 2**20 // 2 // 1024, 1024), dtype=jnp.bfloat16),
+            lambda v: jnp.sum(v, axis=0, dtype=jnp.float32),  # 4 KiB written
+            passes=1,
+        )

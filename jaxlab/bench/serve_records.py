@@ -52,20 +52,19 @@ def run_records(
 
     n_min = ctx.min_samples_for_tails
     ttft = load.samples("ttft_s")
-    if not load.ok:
-        yield ctx.failure(
-            "e2e_s", f"every request failed: {load.error_summary()}", case=case, unit="s"
-        )
-        return
-    if load.errors:
+    if load.errors or not load.ok:
         # Output tokens/s over the wall time of a load some of whose requests failed counts
         # only the rest: a figure for a load the server did not serve. The record fails and
         # says what went wrong (a 504 is serve.request_timeout_s, a 429 serve.max_queue).
+        what = (
+            "every request failed"
+            if not load.ok
+            else f"{load.errors} of {len(load.results)} requests failed"
+        )
         yield ctx.failure(
             "e2e_s",
-            f"{load.errors} of {len(load.results)} requests failed: {load.error_summary()}"
-            " (status or error: count); no throughput is given for a load the server did not"
-            " serve whole",
+            f"{what}: {load.error_summary()} (status or error: count); no throughput is given"
+            " for a load the server did not serve whole",
             case=case,
             unit="s",
         )

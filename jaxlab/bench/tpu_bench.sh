@@ -106,13 +106,10 @@ print("jax", jax.__version__, jax.devices())' >>"$LOG" 2>&1 || say "imports fail
 knobs() {
     local config=$1
     shift
-    local json
-    if [ -n "${TPU_BENCH_VARIANTS+set}" ]; then
-        json=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1].split(";")))' \
-            "$TPU_BENCH_VARIANTS")
-    else
-        json=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
-    fi
+    local json  # TPU_BENCH_VARIANTS, when set, instead of the phase's list
+    json=$("$PY" -c 'import json, os, sys
+given = os.environ.get("TPU_BENCH_VARIANTS")
+print(json.dumps(sys.argv[1:] if given is None else given.split(";")))' "$@")
     jx bench peak knobs --config "$config" --set "runtime.platform=$PLATFORM" \
         --set "bench.train_variants=$json" --out "$DIR" ${KNOBS_EXTRA:-} "${ARGS[@]}"
 }
@@ -199,16 +196,16 @@ phase_serve() {
     # where XLA has no fast bf16 dot (a bf16 CPU server would flatter the chip's ratio).
     local dtype=bfloat16
     [ "$platform" = cpu ] && dtype=float32
-    local sets=(--set "runtime.platform=$platform" --set tokenizer.kind=byte
-        --set "train.precision.param_dtype=$dtype" --set "train.precision.compute_dtype=$dtype")
     if [ ! -d "$run/checkpoints" ]; then
         rm -rf "$run"
         # Trained on the host's CPU whatever the platform: the step's weights are what the
         # server needs, not where they were made, and compiling a train step on the chip
         # cost the first sessions 90 s of device time. The server's --set picks its platform.
-        jx train --config "$SMALL" "${sets[@]}" --set runtime.platform=cpu \
-            --set data.source=synthetic --set data.seq_len=128 --set train.batch_size=1 \
-            --set train.grad_accum_steps=1 --set train.steps=1 \
+        jx train --config "$SMALL" --set runtime.platform=cpu --set tokenizer.kind=byte \
+            --set "train.precision.param_dtype=$dtype" \
+            --set "train.precision.compute_dtype=$dtype" --set data.source=synthetic \
+            --set data.seq_len=128 --set train.batch_size=1 --set train.grad_accum_steps=1 \
+            --set train.steps=1 \
             --set "runtime.artifacts_dir=$DIR/artifacts" --run-dir "$run" || return
     fi
     # One prompt bucket past the load's 64-token prompts: few compiles before /ready. A

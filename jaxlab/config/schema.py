@@ -606,6 +606,10 @@ class ServeConfig(Section):
         return self
 
 
+#: A list of sizes or counts, each at least 1 (batch sizes, concurrency levels).
+PositiveInts = list[Annotated[int, Field(ge=1)]]
+
+
 class BenchConfig(Section):
     warmup: int = Field(default=2, ge=0, description="Untimed calls before sampling.")
     repeats: int = Field(default=10, ge=1, description="Timed samples per case.")
@@ -643,7 +647,7 @@ class BenchConfig(Section):
             " measure the 'draft' method."
         ),
     )
-    decode_batches: list[Annotated[int, Field(ge=1)]] | None = Field(
+    decode_batches: PositiveInts | None = Field(
         default=None,
         min_length=1,
         description=(
@@ -651,7 +655,7 @@ class BenchConfig(Section):
             " Unset: 1, 4, 8, 16 on a CPU, up to 32 on an accelerator (--quick: fewer)."
         ),
     )
-    serve_concurrency: list[Annotated[int, Field(ge=1)]] | None = Field(
+    serve_concurrency: PositiveInts | None = Field(
         default=None,
         min_length=1,
         description=(

@@ -176,17 +176,16 @@ def make_train_step(
     params are the adapter, ``base`` the frozen model parameters.
     """
     lora_dropout = lora is not None and lora.dropout > 0
-    chunk = loss_chunk_tokens
 
     def sum_loss(params: Any, batch: Batch, key: Array | None, base: Any):
         if lora is None:
-            total, n, correct = token_losses(graphdef, params, batch, key, loss_chunk_tokens=chunk)
+            weights, model_key, adapters = params, key, None
         else:
-            model_key = key if dropout else None
+            weights, model_key = base, key if dropout else None
             adapters = lora.adapters(params, key if lora_dropout else None)
-            total, n, correct = token_losses(
-                graphdef, base, batch, model_key, adapters, loss_chunk_tokens=chunk
-            )
+        total, n, correct = token_losses(
+            graphdef, weights, batch, model_key, adapters, loss_chunk_tokens=loss_chunk_tokens
+        )
         return total, (n, correct)
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
