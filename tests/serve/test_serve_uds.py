@@ -128,7 +128,19 @@ def test_bench_serve_loads_a_server_on_a_unix_socket(uds_server, tmp_path):
             if s.name == "jaxlab_requests_total" and s.labels == {"status": "200"}
         )
 
-    before = served()
+    def settled() -> float:
+        """The counter once it has stopped moving: a response is counted after its last
+        byte is sent, so the client may have its answer before the count moves."""
+        value, deadline = served(), time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = served()
+            if now == value:
+                break
+            value = now
+        return value
+
+    before = settled()
     args = ["bench", "serve", "--quick", "--config", "bench-tiny"]
     args += [x for s in SETS for x in ("--set", s)]
     r = run_cli(*args, "--url", srv.url, "--out", str(tmp_path), "--json", timeout=600)
@@ -138,7 +150,7 @@ def test_bench_serve_loads_a_server_on_a_unix_socket(uds_server, tmp_path):
     assert {x.case["mode"] for x in e2e} == {"closed", "poisson"}
     assert all(x.case["slots"] == "external" and x.status == "ok" for x in e2e)
     assert all(x.derived["errors"] == 0 for x in e2e)
-    assert served() - before == sum(x.derived["requests"] for x in e2e)
+    assert settled() - before == sum(x.derived["requests"] for x in e2e)
 
 
 @pytest.fixture(scope="session")
