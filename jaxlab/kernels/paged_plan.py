@@ -11,8 +11,10 @@ Why the sizes are what they are (``docs/kernels.md``, "The paged decode kernel")
   double buffering: while block ``i`` is computed, block ``i + 1``'s pages are being
   copied from HBM. Larger blocks pay the fixed cost of a step (a loop trip, the dots'
   pipeline fill, the waits) less often; they cost no extra bytes, since pages past a
-  row's length are never copied, only more masked compute in a row's last block. The
-  default aims at :attr:`PagedBlocks.block_tokens` tokens, rounded so that a block's
+  row's length are never copied, and little extra compute: a row's last block is
+  computed over the narrowest of a ladder of slices (:attr:`PagedPlan.widths`) that
+  holds its visible slots, so a short row's one block is not a block's worth of dots
+  and softmax. The default aims at :attr:`PagedBlocks.block_tokens` tokens, rounded so that a block's
   logits ``[G, tokens]`` fill whole 128-lane vregs, and capped so the two buffers of
   every kv head's K and V fit :data:`VMEM_BUFFER_BYTES`.
 * **Rows per grid step.** A grid step walks its rows' blocks in one flat sequence, so
@@ -56,15 +58,18 @@ class PagedBlocks:
     exactly this many instead. ``rows_per_step``: batch rows per grid step (clamped to
     the batch). ``dma_per_head``: copy a page one kv head at a time (``K`` contiguous
     copies) instead of one strided copy of every head's slab: more copies to issue, for
-    a DMA engine or compiler that handles strided copies badly."""
+    a DMA engine or compiler that handles strided copies badly. ``min_width``: the
+    narrowest slice of a block a row's last block is computed over (:attr:`PagedPlan.widths`;
+    a whole lane row by default, smaller only for tests of the ladder on small shapes)."""
 
     block_tokens: int = 512
     pages_per_block: int | None = None
     rows_per_step: int = 8
     dma_per_head: bool = False
+    min_width: int = LANES
 
     def __post_init__(self) -> None:
-        for field in ("block_tokens", "pages_per_block", "rows_per_step"):  # not the flag
+        for field in ("block_tokens", "pages_per_block", "rows_per_step", "min_width"):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ValueError(f"PagedBlocks.{field}: must be at least 1, got {value}")
@@ -116,10 +121,24 @@ class PagedPlan:
     groups: int
     groups_padded: int
     dma_per_head: bool = False
+    min_width: int = LANES
 
     @property
     def block_tokens(self) -> int:
         return self.pages_per_block * self.page_size
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The slices, ascending, a row's last block is computed over: the block halved
+        while a half stays a whole multiple of ``min_width``, down to ``min_width``
+        (``(128, 256, 512)`` for blocks of 512). The kernel computes the narrowest that
+        holds the block's visible slots: its work follows the row's length, not the block's."""
+        out = [self.block_tokens]
+        while out[-1] % 2 == 0 and (half := out[-1] // 2) >= self.min_width:
+            if half % self.min_width:
+                break
+            out.append(half)
+        return tuple(reversed(out))
 
     @property
     def padded_batch(self) -> int:
@@ -172,6 +191,7 @@ def make_plan(
         groups=groups,
         groups_padded=round_up(groups, sublanes(q_dtype)),
         dma_per_head=blocks.dma_per_head,
+        min_width=blocks.min_width,
     )
 
 

@@ -29,7 +29,11 @@ decode kernel") explains the design at length; in short:
 * **Masks only where needed.** A block lying wholly inside the row's length with every
   page present runs without a mask; the row's last block masks the positions past its
   length; a block with a missing page (``NO_PAGE`` inside the length) also masks that
-  page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
+  page.
+* **Work that follows the length.** A row's last block is computed over the narrowest
+  slice of :attr:`~jaxlab.kernels.paged_plan.PagedPlan.widths` that holds its visible
+  slots (128, 256 or all 512 of a default block): each width is its own branch, so a
+  32-token row costs one 128-wide pair of dots per kv head rather than a 512-wide one. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
   what the unread slots hold (an earlier item's pages, or zeros) never counts; a row
   that sees nothing comes out as zeros. The mask is on the ``[G, tokens]`` logits only,
   never on the ``[tokens, D]`` values, which would cost a select per value per head.
@@ -183,21 +187,25 @@ def _kernel(
     def n_blocks(r: Array) -> Array:
         return jnp.maximum(1, lax.div(lengths_ref[step * rows + r] + tokens - 1, tokens))
 
-    def compute(r: Array, it: _Item, slot: Array, masked: bool, holes: bool) -> None:
+    def compute(
+        r: Array, it: _Item, slot: Array, masked: bool, holes: bool, width: int = tokens
+    ) -> None:
+        # Over the block's first `width` slots only: the caller makes sure no visible slot
+        # lies past them.
         if masked:
-            keep = _visible(it, plan, (plan.groups_padded, tokens), holes)
+            keep = _visible(it, plan, (plan.groups_padded, width), holes)
         for j in range(n_kv):
             q = q_ref[r, j]  # [Gp, D]
-            k = k_buf[slot, j].astype(q.dtype)  # [tokens, D]
-            v = v_buf[slot, j].astype(q.dtype)
-            s = lax.dot_general(q, k, NT, preferred_element_type=F32)  # [Gp, tokens]
+            k = k_buf[slot, j, :width].astype(q.dtype)  # [width, D]
+            v = v_buf[slot, j, :width].astype(q.dtype)
+            s = lax.dot_general(q, k, NT, preferred_element_type=F32)  # [Gp, width]
             if scale != 1.0:
                 s = s * scale
             if masked:
                 s = jnp.where(keep, s, MASK_VALUE)  # also drops what unread slots hold
             m_prev = m_scr[j]  # [Gp, 128], every lane holds the row's value
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.exp(s - widen(m_next, tokens))
+            p = jnp.exp(s - widen(m_next, width))
             if masked:
                 # Exactly 0 already unless the block sees nothing (then m = MASK_VALUE).
                 p = jnp.where(keep, p, 0.0)
@@ -227,7 +235,15 @@ def _kernel(
             it.wait(slot)
             full, holes = it.full, it.holes
             pl.when(full & ~holes)(lambda: compute(r, it, slot, masked=False, holes=False))
-            pl.when(~full & ~holes)(lambda: compute(r, it, slot, masked=True, holes=False))
+            # A row's last block: the narrowest slice holding its visible slots.
+            seen = it.length - it.first
+            narrower = 0
+            for width in plan.widths:
+                fits = ~full & ~holes & (seen > narrower) & (seen <= width)
+                pl.when(fits)(
+                    functools.partial(compute, r, it, slot, masked=True, holes=False, width=width)
+                )
+                narrower = width
             pl.when(holes)(lambda: compute(r, it, slot, masked=True, holes=True))
             return 1 - slot
 

@@ -7,7 +7,8 @@
   (shuffled across the pool, rows interleaved, spare pages, ``NO_PAGE`` tails, a missing
   page inside a row's length), over page sizes (aligned to TPU tiles or not), kv-head
   groupings (G = 1, 2, 4), block and step sizes (one block per row, several, one page per
-  block; rows padded to whole steps) and batch sizes; f32 and bf16.
+  block; rows padded to whole steps; a last block computed over each width of its ladder)
+  and batch sizes; f32 and bf16.
 * Whatever pages past a row's length hold never reaches its output; a row that sees
   nothing comes out as zeros; ``T > 1`` goes to ``paged_xla``.
 
@@ -97,6 +98,29 @@ def test_the_plan_pads_rows_groups_and_the_table() -> None:
     assert (f32.padded_batch, f32.steps, f32.groups_padded) == (6, 3, 8)
 
 
+def test_a_rows_last_block_is_computed_over_a_ladder_of_widths() -> None:
+    def widths(blocks: PagedBlocks, page_size: int = 16) -> tuple[int, ...]:
+        plan = make_plan(
+            blocks,
+            batch=1,
+            max_pages=64,
+            page_size=page_size,
+            n_heads=12,
+            n_kv_heads=12,
+            head_dim=64,
+            q_dtype=jnp.bfloat16,
+            pool_dtype=jnp.bfloat16,
+        )
+        return plan.widths
+
+    assert widths(PagedBlocks()) == (128, 256, 512)
+    assert widths(PagedBlocks(block_tokens=128)) == (128,)
+    assert widths(PagedBlocks(pages_per_block=64)) == (128, 256, 512, 1024)
+    assert widths(PagedBlocks(pages_per_block=24)) == (384,)  # 192 is no multiple of 128
+    assert widths(PagedBlocks(pages_per_block=1)) == (16,)  # narrower than a lane row: as is
+    assert widths(PagedBlocks(pages_per_block=8, min_width=4), page_size=4) == (4, 8, 16, 32)
+
+
 def test_mosaic_tiles_pages_of_whole_sublane_tiles_only() -> None:
     assert mosaic_problem(16, jnp.bfloat16) is None and mosaic_problem(8, jnp.float32) is None
     problem = mosaic_problem(8, jnp.bfloat16)
@@ -112,7 +136,7 @@ def test_mosaic_tiles_pages_of_whole_sublane_tiles_only() -> None:
     assert not runs_pallas(1, 16, jnp.bfloat16, "tpu", tpu=False)
 
 
-@pytest.mark.parametrize("field", ["block_tokens", "pages_per_block", "rows_per_step"])
+@pytest.mark.parametrize("field", ["block_tokens", "pages_per_block", "rows_per_step", "min_width"])
 def test_block_knobs_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=f"PagedBlocks.{field}"):
         PagedBlocks(**{field: 0})  # pyright: ignore[reportArgumentType]
@@ -162,6 +186,11 @@ CASES = {
     # Pages that fit no tile, blocks across a whole number of them.
     "pages-of-5-G2-blocks-of-3-pages": Case(
         3, 5, (4, 2), PagedBlocks(pages_per_block=3, rows_per_step=3)
+    ),
+    # Blocks of 32 tokens computed over the narrowest of 4, 8, 16 or 32 slots that holds a
+    # row's last block: the width ladder, at test sizes.
+    "pages-of-4-G1-width-ladder": Case(
+        3, 4, (2, 2), PagedBlocks(pages_per_block=8, min_width=4, rows_per_step=3)
     ),
     # bf16, each page copied one kv head at a time.
     "bf16-pages-of-16-G2-copies-per-head": Case(
