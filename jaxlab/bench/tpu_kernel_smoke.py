@@ -1,4 +1,4 @@
-"""A quick check that the Pallas paged decode kernel lowers with Mosaic and is right on the
+"""A quick check that the Pallas paged decode kernels lower with Mosaic and are right on the
 chip: one line per shape, ``PASS`` or ``FAIL``, exit code 1 if any failed.
 
     bash jaxlab/bench/tpu_bench.sh kernels            # on the TPU: this first, then the suite
@@ -15,8 +15,9 @@ in bf16 passes). The shapes cover the tpu-small preset (12 heads of 64, MHA, pag
 16, bf16), grouped heads, head_dim 128, f32, larger pages, and every knob of
 :class:`~jaxlab.kernels.paged_plan.PagedBlocks` (small and lane-sparse blocks, one row
 per step, a copy per kv head). A shape whose kernel would fall back to ``paged_xla``
-(a page size Mosaic cannot tile) fails: the point is to run the kernel. Nothing here
-imports jax at import time.
+(a page size Mosaic cannot tile) fails: the point is to run the kernel. Then the decode
+write (:mod:`jaxlab.kernels.pallas_paged_write`) against ``write_at``'s scatter, which it
+must equal bit for bit (:data:`WRITES`). Nothing here imports jax at import time.
 """
 
 from __future__ import annotations
@@ -131,6 +132,58 @@ def check(shape: Shape) -> tuple[bool, str]:
     )
 
 
+#: The decode write's checks: ``(name, batch, page_size, dtype)``, tpu-small's 12 heads of 64.
+WRITES = (
+    ("write tpu-small B1", 1, 16, "bfloat16"),
+    ("write tpu-small B32 with skipped rows", 32, 16, "bfloat16"),
+    ("write B40: two grid steps, padded rows", 40, 16, "bfloat16"),
+    ("write f32 pages of 8", 8, 8, "float32"),
+)
+
+
+def check_write(name: str, batch: int, page_size: int, dtype: str) -> tuple[bool, str]:
+    """The Pallas decode write (:mod:`jaxlab.kernels.pallas_paged_write`) against
+    ``write_at``'s scatter on the same chip: equal bit for bit, or it fails. Rows write at
+    random positions of shuffled pages; every fifth row is done (``NO_SLOT``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxlab.kernels import NO_SLOT
+    from jaxlab.kernels import paged as pg
+    from jaxlab.kernels.paged_pallas import PagedPallas
+
+    rng = np.random.default_rng(batch)
+    width, n_kv, d = 512 // page_size, 12, 64
+    num_pages = batch * width + 4
+    table = rng.permutation(num_pages)[: batch * width].reshape(batch, width)
+    positions = rng.integers(0, 512, batch)
+    positions[::5] = NO_SLOT
+    pool = (n_kv, num_pages, page_size, d)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool), dtype) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((batch, 1, n_kv, d)), dtype) for _ in range(2))
+    layer = pg.PagedLayer(k_pool, v_pool, jnp.asarray(table, jnp.int32))
+    start = jnp.asarray(positions, jnp.int32)
+    kern = PagedPallas(tpu=True, tpu_write=True)
+    try:
+        t0 = time.perf_counter()
+        compiled = jax.jit(kern.write).lower(layer, k, v, start).compile()
+        compile_s = time.perf_counter() - t0
+        got = jax.block_until_ready(compiled(layer, k, v, start))
+    except Exception as e:  # a Mosaic lowering error is what this script is for
+        text = f"{type(e).__name__}: {e}".replace("\n", " ")
+        return False, f"FAIL {name}: {text[:2000]}"
+    want = jax.jit(pg.write)(layer, k, v, start)
+    ok = all(
+        np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        for a, b in ((got.k, want.k), (got.v, want.v))
+    )
+    verdict = "PASS" if ok else "FAIL"
+    return ok, f"{verdict} {name}: {'equal to' if ok else 'differs from'} the scatter, " + (
+        f"compile {compile_s:.2f}s on {jax.default_backend()}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     import jax
 
@@ -141,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         ok, line = check(shape)
         failed += not ok
         print(line, flush=True)
-    print(f"{len(SHAPES) - failed} passed, {failed} failed", flush=True)
+    for write in WRITES:
+        ok, line = check_write(*write)
+        failed += not ok
+        print(line, flush=True)
+    total = len(SHAPES) + len(WRITES)
+    print(f"{total - failed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
 
 

@@ -6,6 +6,11 @@ What runs where:
 * **Decode** (one query token per row, ``T = 1``): the Pallas kernel, reading each row's
   pages through the table, only those its position needs. Compiled by Mosaic on a TPU,
   Pallas interpret mode on the CPU (how CI tests it).
+* **The decode write** (``T = 1``, a float pool): the Pallas kernel of
+  :mod:`jaxlab.kernels.pallas_paged_write` patches each row's page in place, where an XLA
+  scatter costs a near-fixed time per call on a TPU; under the same conditions as the
+  decode kernel, and its own gate, :data:`WRITE_CHIP_VALIDATED`. Every other write is
+  :func:`~jaxlab.kernels.paged.write_at`'s scatter.
 * **Extend** (``T > 1``: prefill chunks, several tokens per row against the pages), an
   int8 pool (``inference.kv_cache_dtype = "int8"``: the kernel reads float pages only), and
   decode on a TPU with a page size Mosaic cannot tile
@@ -19,12 +24,14 @@ and compares it with ``paged_reference``. :data:`CHIP_VALIDATED` records that it
 :class:`PagedPallas`'s ``tpu``, so a kernel that regresses on a new JAX can be sent back to
 ``paged_xla`` on TPUs by one constant while it is fixed, without touching a config.
 
-The pool layout, writes and inspection are every paged kernel's
+The pool layout, the other writes and inspection are every paged kernel's
 (:class:`~jaxlab.kernels.paged.PagedLayout`). Pallas is imported on the first call, not
 with :mod:`jaxlab.kernels`, as for :mod:`jaxlab.kernels.pallas`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +46,9 @@ Array = jax.Array
 #: Whether the kernel has compiled and matched the reference on a TPU (module docstring):
 #: the default of :class:`PagedPallas`'s ``tpu``. ``False`` sends TPU decode to ``paged_xla``.
 CHIP_VALIDATED = True
+#: The same for the decode write (:mod:`jaxlab.kernels.pallas_paged_write`): the default of
+#: :class:`PagedPallas`'s ``tpu_write``. ``False`` sends TPU decode writes to the scatter.
+WRITE_CHIP_VALIDATED = True
 
 
 def runs_pallas(
@@ -56,10 +66,28 @@ def runs_pallas(
 class PagedPallas(PagedLayout):
     name = "paged_pallas"
 
-    def __init__(self, blocks: PagedBlocks | None = None, *, tpu: bool = CHIP_VALIDATED) -> None:
+    def __init__(
+        self,
+        blocks: PagedBlocks | None = None,
+        *,
+        tpu: bool = CHIP_VALIDATED,
+        tpu_write: bool = WRITE_CHIP_VALIDATED,
+    ) -> None:
         self.blocks = blocks or PagedBlocks()
         self.tpu = tpu
+        self.tpu_write = tpu_write
         self._xla = PagedXla()
+
+    def write(self, cache: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
+        # One token per row into a float pool: the Pallas write where the kernel runs.
+        if cache.quantized or not runs_pallas(
+            k.shape[1], cache.page_size, cache.k.dtype, jax.default_backend(), tpu=self.tpu_write
+        ):
+            return super().write(cache, k, v, start)
+        from jaxlab.kernels.pallas_paged_write import write_token
+
+        k_pool, v_pool = write_token(cache.k, cache.v, cache.table, k[:, 0], v[:, 0], start)
+        return dataclasses.replace(cache, k=k_pool, v=v_pool)
 
     def attend_cache(self, q: Array, cache: PagedLayer, positions: Array) -> Array:
         backend = jax.default_backend()
@@ -76,4 +104,4 @@ class PagedPallas(PagedLayout):
         return out[:, None]
 
 
-__all__ = ["CHIP_VALIDATED", "PagedBlocks", "PagedPallas", "runs_pallas"]
+__all__ = ["CHIP_VALIDATED", "WRITE_CHIP_VALIDATED", "PagedBlocks", "PagedPallas", "runs_pallas"]

@@ -75,3 +75,11 @@ def test_the_tpu_smoke_script_checks_a_shape_and_says_so() -> None:
     assert ok and line.startswith("PASS tiny: max |diff|") and "on cpu" in line
     assert len({s.name for s in SHAPES}) == len(SHAPES)
     assert all(runs_pallas(1, s.page_size, s.dtype, "tpu", tpu=True) for s in SHAPES)
+
+
+def test_the_tpu_smoke_script_checks_the_decode_write_and_says_so() -> None:
+    from jaxlab.bench.tpu_kernel_smoke import WRITES, check_write
+
+    ok, line = check_write("small write", 6, 16, "float32")
+    assert ok and line.startswith("PASS small write: equal to the scatter") and "on cpu" in line
+    assert len({w[0] for w in WRITES}) == len(WRITES)
