@@ -267,16 +267,23 @@ def make_train_step(
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, lora: LoraSpec | None = None
+    graphdef: nnx.GraphDef,
+    lora: LoraSpec | None = None,
+    *,
+    loss_chunk_tokens: int = DEFAULT_CHUNK,
 ) -> Callable[..., dict[str, Array]]:
-    """``eval_fn(params, batch)``; with ``lora``, ``eval_fn(adapter, batch, base)``."""
+    """``eval_fn(params, batch)``; with ``lora``, ``eval_fn(adapter, batch, base)``.
+    ``loss_chunk_tokens``: the train step's head blocks (the same losses at any size)."""
+    chunk = loss_chunk_tokens
 
     def eval_fn(params: Any, batch: Batch, base: Any = None) -> dict[str, Array]:
         if lora is None:
-            total, n, correct = token_losses(graphdef, params, batch, None)
+            total, n, correct = token_losses(graphdef, params, batch, None, loss_chunk_tokens=chunk)
         else:
             adapters = lora.adapters(params, None)
-            total, n, correct = token_losses(graphdef, base, batch, None, adapters)
+            total, n, correct = token_losses(
+                graphdef, base, batch, None, adapters, loss_chunk_tokens=chunk
+            )
         return {"loss_sum": total, "tokens": n, "correct": correct}
 
     return eval_fn

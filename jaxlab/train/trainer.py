@@ -295,7 +295,9 @@ class Trainer:
             out_shardings=(self.state_shardings, replicated),
         )
         self.eval_fn = ShapeKeyedJit(
-            make_eval_step(self.graphdef, self.lora), name="eval_step", out_shardings=replicated
+            make_eval_step(self.graphdef, self.lora, loss_chunk_tokens=t.loss_chunk_tokens),
+            name="eval_step",
+            out_shardings=replicated,
         )
         self.restored: Restored[None] | None = None  # the last restore()'s step and skips
         self.checkpointer = Checkpointer(

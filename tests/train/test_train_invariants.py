@@ -243,3 +243,22 @@ def test_compile_is_timed_and_logged_once(tmp_path):
     assert len(compiles) == 1
     assert compiles[0]["compile_s"] > 0 and compiles[0]["trace_s"] > 0
     assert any("compiled train_step" in e for e in rec.events)
+
+
+def test_the_eval_step_uses_the_train_steps_head_blocks(tmp_path, monkeypatch):
+    """``train.loss_chunk_tokens`` reaches the eval step too (the losses are the same at any
+    block size; the block size is what a TPU's eval pays for)."""
+    import jaxlab.train.step as step_module
+
+    seen: list[int] = []
+    real = step_module.token_losses
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["loss_chunk_tokens"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "token_losses", spy)
+    t = Trainer(tiny_cfg(tmp_path, "train.loss_chunk_tokens=8"), tmp_path / "run")
+    t.evaluate(max_batches=1)
+    t.close()
+    assert seen and set(seen) == {8}
