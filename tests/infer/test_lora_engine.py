@@ -146,3 +146,28 @@ def test_prefix_cached_prompts_under_two_adapters_each_get_their_own_answer():
         if np.asarray(done).all():
             break
     assert [out[0], out[1], out[2]] == [refs[1], refs[2], refs[1]]
+
+
+def test_int8_weights_serve_adapters_on_the_quantized_base():
+    """``inference.weights = "int8"`` with adapters: the base is quantized, the adapters'
+    low-rank products stay float beside it. A base row is the int8 model without
+    adapters, token for token; each adapter still answers its own way; a mixed batch gives
+    each row what it gets alone."""
+    cfg = tiny_cfg(2, 64, [16, 64])
+    cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"weights": "int8"})})
+    graphdef, params = numpy_params(cfg, 0)
+    stacked = lora.stack(
+        cfg.model,
+        [
+            (random_adapter(cfg, 4, ("q", "v"), 1), 2.0),
+            (random_adapter(cfg, 2, ("o", "mlp"), 2), 1.0),
+        ],
+    )
+    eng = Engine(graphdef, params, cfg, adapters=stacked)
+    base = Engine(graphdef, params, cfg)
+    assert eng.weights_format == base.weights_format == "int8"
+    mixed = run(eng, [(0, 0), (0, 1), (0, 2)])
+    assert mixed[0] == run(base, [(0, 0)] * 3)[0]
+    assert len({tuple(t) for t in mixed}) == 3
+    for a in (1, 2):
+        assert mixed[a] == run(eng, [(0, a)] * 3)[0]
