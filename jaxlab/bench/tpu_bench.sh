@@ -26,6 +26,9 @@
 #            paged-attention suite at the tpu-small shape (paged_xla, paged_pallas and its
 #            block sweep, jax's paged_attention; batch 1/8/32, context 512 and 2,048, bf16:
 #            microseconds and GB/s of K/V read). About 4-6 min.
+#   smoke    tpu_kernel_smoke.py alone: whether the Pallas paged decode kernel and the decode
+#            write lower and are right on the chip, before a decode phase measures them
+#            (`smoke decode` in one call). About 1-2 min.
 #   flags    the tpu-small preset's train step alone (profiled: its trace comes back), then
 #            under XLA flag sets, one process each (libtpu reads them once): the scoped VMEM
 #            limit at 64 and 96 MiB. About 3-4 min.
@@ -167,10 +170,10 @@ phase_flags() {
     done
 }
 
-phase_kernels() {
-    # The smoke check is quick and says whether the kernel lowers at all; the suite's
-    # records say how fast it is (a kernel that fails to lower leaves failed records).
-    local t=$(($(left) - 240))
+phase_smoke() {
+    # Whether the Pallas paged kernels lower and are right on the chip (PASS/FAIL per shape
+    # into the log); $1: seconds to leave for what follows in this call.
+    local t=$(($(left) - ${1:-30}))
     [ "$t" -gt 180 ] && t=180
     if [ "$PLATFORM" != tpu ]; then
         say "skipped tpu_kernel_smoke.py: it checks Mosaic, and this run is on $PLATFORM"
@@ -182,6 +185,12 @@ phase_kernels() {
             >>"$LOG" 2>&1
         say "smoke exit $?"
     fi
+}
+
+phase_kernels() {
+    # The smoke check is quick and says whether the kernel lowers at all; the suite's
+    # records say how fast it is (a kernel that fails to lower leaves failed records).
+    phase_smoke 240
     jx bench paged-attention --config "$SMALL" --set "runtime.platform=$PLATFORM" \
         --out "$DIR" "${ARGS[@]}"
 }
@@ -270,11 +279,12 @@ for phase in "$@"; do
     decode) phase_decode ;;
     medium) phase_medium ;;
     kernels) phase_kernels ;;
+    smoke) phase_smoke ;;
     flags) phase_flags ;;
     serve) phase_serve "$PLATFORM" ;;
     cpu-serve) phase_serve cpu ;;
     *)
-        say "unknown phase $phase (small, decode, medium, kernels, serve, flags, cpu-serve)"
+        say "unknown phase $phase (small, decode, medium, kernels, smoke, serve, flags, cpu-serve)"
         exit 2
         ;;
     esac

@@ -21,7 +21,7 @@ def test_usage_without_a_phase_and_an_unknown_phase(tmp_path):
     env = {**clean_env(), "PYTHON": sys.executable, "TPU_BENCH_DIR": str(tmp_path)}
     r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "small" in r.stderr and "cpu-serve" in r.stderr
-    assert "kernels" in r.stderr
+    assert "kernels" in r.stderr and "smoke" in r.stderr
     env |= {"TPU_BENCH_PLATFORM": "cpu", "OUT": str(tmp_path / "out")}
     r = subprocess.run(["bash", str(SCRIPT), "fast"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "unknown phase fast" in r.stderr
@@ -86,6 +86,13 @@ def test_the_flags_and_serve_phases_dry_run_on_the_cpu(tmp_path):
     assert doc["url"].startswith("unix:") and not os.path.exists(doc["uds"])
     assert "SIGTERM: drained" in (out / "serve-cpu.err").read_text()
     assert Path(SCRIPT).stat().st_mode & 0o111, "executable"
+
+
+def test_the_smoke_phase_alone_says_it_needs_a_tpu(tmp_path):
+    """``smoke`` runs only the Mosaic check, which a CPU run skips, saying why."""
+    log = dry_run(tmp_path, ["smoke"], 120)
+    assert "skipped tpu_kernel_smoke.py: it checks Mosaic, and this run is on cpu" in log
+    assert "jaxlab bench" not in log and log.rstrip().endswith("done")
 
 
 @pytest.mark.slow
