@@ -2,7 +2,7 @@
 into its own page.
 
 :func:`jaxlab.kernels.paged.write_at` writes through the table with one XLA scatter per
-buffer. On a TPU a scatter into the pool costs a near-fixed 7-20 us whatever it writes
+buffer. On a TPU a scatter into the pool costs a near-fixed 7-23 us whatever it writes
 (a profile of the ``tpu-small`` batch-1 decode step on a v5e put the 24 scatters of its 12
 layers at a quarter of the step: ``docs/performance.md``), while a decode step writes a few
 kilobytes. This kernel does the same write as copies:
@@ -45,6 +45,8 @@ WRITE_ROWS = 32
 
 
 def _kernel(page_ref, off_ref, k_new, v_new, _k_in, _v_in, k_pool, v_pool, k_buf, v_buf, sems):
+    # The input pools and the output pools are one buffer each (aliased): read and written
+    # through the outputs.
     rows = k_new.shape[0]
     n_pages = k_pool.shape[1]
     base = pl.program_id(0) * rows
