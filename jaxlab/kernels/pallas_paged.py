@@ -29,14 +29,14 @@ decode kernel") explains the design at length; in short:
 * **Masks only where needed.** A block lying wholly inside the row's length with every
   page present runs without a mask; the row's last block masks the positions past its
   length; a block with a missing page (``NO_PAGE`` inside the length) also masks that
-  page.
-* **Work that follows the length.** A row's last block is computed over the narrowest
-  slice of :attr:`~jaxlab.kernels.paged_plan.PagedPlan.widths` that holds its visible
-  slots (128, 256 or all 512 of a default block): each width is its own branch, so a
-  32-token row costs one 128-wide pair of dots per kv head rather than a 512-wide one. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
+  page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
   what the unread slots hold (an earlier item's pages, or zeros) never counts; a row
   that sees nothing comes out as zeros. The mask is on the ``[G, tokens]`` logits only,
   never on the ``[tokens, D]`` values, which would cost a select per value per head.
+* **Work that follows the length.** A row's last block is computed over the narrowest
+  slice of :attr:`~jaxlab.kernels.paged_plan.PagedPlan.widths` that holds its visible
+  slots (128, 256 or all 512 of a default block): each width is its own branch, so a
+  32-token row costs one 128-wide pair of dots per kv head rather than a 512-wide one.
 * **Precision** as in :mod:`jaxlab.kernels.base`: K/V cast to the query dtype, f32
   logits, softmax and accumulators, probabilities cast to the value dtype for the second
   dot, output in the query dtype.
