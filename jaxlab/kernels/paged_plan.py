@@ -14,9 +14,9 @@ Why the sizes are what they are (``docs/kernels.md``, "The paged decode kernel")
   row's length are never copied, and little extra compute: a row's last block is
   computed over the narrowest of a ladder of slices (:attr:`PagedPlan.widths`) that
   holds its visible slots, so a short row's one block is not a block's worth of dots
-  and softmax. The default aims at :attr:`PagedBlocks.block_tokens` tokens, rounded so that a block's
-  logits ``[G, tokens]`` fill whole 128-lane vregs, and capped so the two buffers of
-  every kv head's K and V fit :data:`VMEM_BUFFER_BYTES`.
+  and softmax. The default aims at :attr:`PagedBlocks.block_tokens` tokens, rounded so
+  that a block's logits ``[G, tokens]`` fill whole 128-lane vregs, and capped so the two
+  buffers of every kv head's K and V fit :data:`VMEM_BUFFER_BYTES`.
 * **Rows per grid step.** A grid step walks its rows' blocks in one flat sequence, so
   the first block of the next row is copied while the current row's last block is
   computed; only each step's very first copy is exposed. More rows per step expose fewer
