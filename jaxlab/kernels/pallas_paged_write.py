@@ -2,10 +2,9 @@
 into its own page.
 
 :func:`jaxlab.kernels.paged.write_at` writes through the table with one XLA scatter per
-buffer. On a TPU a scatter into the pool costs a near-fixed 7-23 us whatever it writes
-(a profile of the ``tpu-small`` batch-1 decode step on a v5e put the 24 scatters of its 12
-layers at a quarter of the step: ``docs/performance.md``), while a decode step writes a few
-kilobytes. This kernel does the same write as copies:
+buffer. On a TPU a scatter into the pool costs a near-fixed time per call whatever it
+writes, while a decode step writes a few kilobytes per layer (a profile of the
+``tpu-small`` batch-1 decode step on a v5e, with the figures: ``docs/performance.md``). This kernel does the same write as copies:
 
 * **Whole pages, read, patched, written back.** The pool's minor dimensions are ``(page_size,
   D)``, so one token is one sublane row of a tile: a copy cannot address it alone. Each
@@ -36,6 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from jaxlab.kernels.paged import token_slots
 
 Array = jax.Array
 
@@ -118,15 +119,13 @@ def write_token(
         )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    positions = positions.astype(jnp.int32)
-    index = positions // page_size
-    in_table = (positions >= 0) & (index < table.shape[1])
-    page = jnp.take_along_axis(table, jnp.clip(index, 0, table.shape[1] - 1)[:, None], axis=1)
-    page = jnp.where(in_table, page[:, 0], num_pages).astype(jnp.int32)  # >= num_pages: skip
+    # The scatter's own slots: a token it would drop has a slot past the pool, so its page
+    # comes out >= num_pages and the kernel skips it.
+    slots = token_slots(table, positions.astype(jnp.int32)[:, None], num_pages, page_size)[:, 0]
     rows = max(1, min(rows, b))
     bp = -(-b // rows) * rows
-    page = jnp.pad(page, (0, bp - b), constant_values=num_pages)
-    off = jnp.pad(positions % page_size, (0, bp - b))
+    page = jnp.pad(slots // page_size, (0, bp - b), constant_values=num_pages)
+    off = jnp.pad(slots % page_size, (0, bp - b))
     k, v = (jnp.pad(x, ((0, bp - b), (0, 0), (0, 0))) for x in (k, v))
     new_spec = pl.BlockSpec((rows, n_kv, d), lambda i, *_: (i, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

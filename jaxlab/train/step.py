@@ -274,16 +274,15 @@ def make_eval_step(
 ) -> Callable[..., dict[str, Array]]:
     """``eval_fn(params, batch)``; with ``lora``, ``eval_fn(adapter, batch, base)``.
     ``loss_chunk_tokens``: the train step's head blocks (the same losses at any size)."""
-    chunk = loss_chunk_tokens
 
     def eval_fn(params: Any, batch: Batch, base: Any = None) -> dict[str, Array]:
         if lora is None:
-            total, n, correct = token_losses(graphdef, params, batch, None, loss_chunk_tokens=chunk)
+            weights, adapters = params, None
         else:
-            adapters = lora.adapters(params, None)
-            total, n, correct = token_losses(
-                graphdef, base, batch, None, adapters, loss_chunk_tokens=chunk
-            )
+            weights, adapters = base, lora.adapters(params, None)
+        total, n, correct = token_losses(
+            graphdef, weights, batch, None, adapters, loss_chunk_tokens=loss_chunk_tokens
+        )
         return {"loss_sum": total, "tokens": n, "correct": correct}
 
     return eval_fn

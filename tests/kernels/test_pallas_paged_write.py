@@ -103,8 +103,7 @@ def test_the_kernel_writes_one_token_by_pallas_and_the_rest_by_scatter(monkeypat
     monkeypatch.setattr(module, "write_token", counted)
     kern = PAGED_KERNELS["paged_pallas"]
     assert isinstance(kern, PagedPallas)
-    layer, k, v, positions = draw(np.random.default_rng(4), 2, ["any", "first"], "float32")
-    start = positions
+    layer, k, v, start = draw(np.random.default_rng(4), 2, ["any", "first"], "float32")
     one = kern.write(layer, k[:, None], v[:, None], start)
     assert calls == [1]
     want = pg.write(layer, k[:, None], v[:, None], start)
