@@ -61,7 +61,7 @@ def kv_bytes(lengths: Any, n_kv: int, head_dim: int, itemsize: int) -> int:
 
 def pallas_variants(sweep: bool) -> list[tuple[str, Any]]:
     """``(label, PagedBlocks)`` of ``paged_pallas``: its defaults, and with ``sweep`` other
-    block and step sizes and a copy per kv head."""
+    block and step sizes."""
     from jaxlab.kernels.paged_plan import PagedBlocks
 
     out = [("default", PagedBlocks())]
@@ -71,7 +71,6 @@ def pallas_variants(sweep: bool) -> list[tuple[str, Any]]:
             ("block_tokens=1024", PagedBlocks(block_tokens=1024)),
             ("rows_per_step=1", PagedBlocks(rows_per_step=1)),
             ("rows_per_step=32", PagedBlocks(rows_per_step=32)),
-            ("dma_per_head", PagedBlocks(dma_per_head=True)),
         ]
     return out
 
@@ -160,6 +159,7 @@ def paged_attention_suite(ctx: BenchContext) -> Iterator[Record]:
     import jax
 
     from jaxlab.kernels import PAGED_KERNELS
+    from jaxlab.kernels.paged_dense import from_head_major
 
     cfg = ctx.config
     m = cfg.model
@@ -184,6 +184,7 @@ def paged_attention_suite(ctx: BenchContext) -> Iterator[Record]:
                 args = inputs(batch, context, ragged, shape, cfg.runtime.seed)
                 q, layer, positions, jax_table, lengths = args
                 want = reference(q, layer, positions)
+                dense = from_head_major(layer)  # paged_pallas's pool layout
                 width = layer.table.shape[1]
                 sweep = batch == max(batches) and not ragged
                 for fields, attend in candidates(backend, ctx.quick, width, sweep):
@@ -197,9 +198,8 @@ def paged_attention_suite(ctx: BenchContext) -> Iterator[Record]:
                     nbytes = kv_bytes(
                         lengths, shape["kv_heads"], shape["head_dim"], q.dtype.itemsize
                     )
-                    yield _measure(
-                        ctx, case, attend, (q, layer, positions, jax_table), want, nbytes
-                    )
+                    pool = dense if fields["kernel"] == "paged_pallas" else layer
+                    yield _measure(ctx, case, attend, (q, pool, positions, jax_table), want, nbytes)
 
 
 def looped(attend: AttendFn, calls: int) -> AttendFn:
@@ -208,15 +208,15 @@ def looped(attend: AttendFn, calls: int) -> AttendFn:
     their positions) rotate by one each call, so nothing that reads the pool is loop
     invariant (XLA could hoist ``paged_xla``'s page gather out of the loop otherwise).
     Every call reads the same bytes: the rows' lengths only move between rows."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
-
-    from jaxlab.kernels.paged import PagedLayer
 
     def run(q, layer, positions, jax_table):
         def body(_, carry):
             q, table, positions, jax_table = carry
-            out = attend(q, PagedLayer(layer.k, layer.v, table), positions, jax_table)
+            out = attend(q, dataclasses.replace(layer, table=table), positions, jax_table)
             return tuple(jnp.roll(x, 1, axis=0) for x in (out, table, positions, jax_table))
 
         return jax.lax.fori_loop(0, calls, body, (q, layer.table, positions, jax_table))[0]

@@ -12,9 +12,10 @@ on a CPU, where it checks this script, not Mosaic), and compares it with
 Bound: ``4 u`` of the largest value, ``u = 2^-8``, whatever the dtype (the kernel rounds
 its probabilities to the value dtype for the second dot, and on a TPU an f32 dot may run
 in bf16 passes). The shapes cover the tpu-small preset (12 heads of 64, MHA, pages of
-16, bf16), grouped heads, head_dim 128, f32, larger pages, and every knob of
-:class:`~jaxlab.kernels.paged_plan.PagedBlocks` (small and lane-sparse blocks, one row
-per step, a copy per kv head). A shape whose kernel would fall back to ``paged_xla``
+16, bf16), grouped heads, head_dim 128, kv heads filling less than a lane row, f32,
+larger pages, and every knob of :class:`~jaxlab.kernels.paged_plan.PagedBlocks` (small
+and lane-sparse blocks, one row per step). The kernel reads the lane-dense pool
+(:mod:`jaxlab.kernels.paged_dense`) of the reference's pages. A shape whose kernel would fall back to ``paged_xla``
 (a page size Mosaic cannot tile) fails: the point is to run the kernel. Then the decode
 write (:mod:`jaxlab.kernels.pallas_paged_write`) against ``write_at``'s scatter, which it
 must equal bit for bit (:data:`WRITES`). Nothing here imports jax at import time.
@@ -62,12 +63,13 @@ SHAPES = (
     Shape("one page per block (16 lanes)", ragged=True, blocks={"pages_per_block": 1}),
     Shape("rows_per_step=1 ragged+hole", ragged=True, blocks={"rows_per_step": 1}),
     Shape("rows_per_step=3 (padded rows)", batch=8, ragged=True, blocks={"rows_per_step": 3}),
-    Shape("dma_per_head ragged+hole", ragged=True, blocks={"dma_per_head": True}),
+    Shape("4/2 heads of 32: 64 lanes ragged+hole", heads=4, kv_heads=2, head_dim=32, ragged=True),
 )
 
 
 def inputs(shape: Shape, seed: int = 0) -> tuple[Any, Any, Any]:
-    """``(q [B, 1, H, D], PagedLayer, positions [B, 1])`` of ``shape``."""
+    """``(q [B, 1, H, D], PagedLayer, positions [B, 1])`` of ``shape``; the layer's pool is
+    kv-head major, the reference's layout (``paged_dense.from_head_major`` gives the kernel's)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -101,6 +103,7 @@ def check(shape: Shape) -> tuple[bool, str]:
 
     from jaxlab.kernels import PAGED_KERNELS
     from jaxlab.kernels.paged import PagedLayer
+    from jaxlab.kernels.paged_dense import from_head_major
     from jaxlab.kernels.paged_pallas import PagedPallas, runs_pallas
     from jaxlab.kernels.paged_plan import PagedBlocks
 
@@ -108,12 +111,13 @@ def check(shape: Shape) -> tuple[bool, str]:
     if not runs_pallas(1, shape.page_size, shape.dtype, backend, tpu=True):
         return False, f"FAIL {shape.name}: the kernel would not run here (paged_xla fallback)"
     q, layer, positions = inputs(shape)
+    dense = from_head_major(layer)
     kern = PagedPallas(PagedBlocks(**shape.blocks), tpu=True)
     try:
         t0 = time.perf_counter()
-        compiled = jax.jit(kern.attend_cache).lower(q, layer, positions).compile()
+        compiled = jax.jit(kern.attend_cache).lower(q, dense, positions).compile()
         compile_s = time.perf_counter() - t0
-        got = np.asarray(jax.block_until_ready(compiled(q, layer, positions)), np.float32)
+        got = np.asarray(jax.block_until_ready(compiled(q, dense, positions)), np.float32)
     except Exception as e:  # a Mosaic lowering error is what this script is for
         text = f"{type(e).__name__}: {e}".replace("\n", " ")
         return False, f"FAIL {shape.name}: {text[:2000]}"
@@ -142,15 +146,17 @@ WRITES = (
 
 
 def check_write(name: str, batch: int, page_size: int, dtype: str) -> tuple[bool, str]:
-    """The Pallas decode write (:mod:`jaxlab.kernels.pallas_paged_write`) against
-    ``write_at``'s scatter on the same chip: equal bit for bit, or it fails. Rows write at
-    random positions of shuffled pages; every fifth row is done (``NO_SLOT``)."""
+    """The Pallas decode write (:mod:`jaxlab.kernels.pallas_paged_write`) into a lane-dense
+    pool against ``write_at``'s scatter into the kv-head-major one, on the same chip: equal
+    bit for bit, or it fails. Rows write at random positions of shuffled pages; every
+    fifth row is done (``NO_SLOT``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxlab.kernels import NO_SLOT
     from jaxlab.kernels import paged as pg
+    from jaxlab.kernels.paged_dense import from_head_major, to_head_major
     from jaxlab.kernels.paged_pallas import PagedPallas
 
     rng = np.random.default_rng(batch)
@@ -163,13 +169,14 @@ def check_write(name: str, batch: int, page_size: int, dtype: str) -> tuple[bool
     k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool), dtype) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((batch, 1, n_kv, d)), dtype) for _ in range(2))
     layer = pg.PagedLayer(k_pool, v_pool, jnp.asarray(table, jnp.int32))
+    dense = from_head_major(layer)
     start = jnp.asarray(positions, jnp.int32)
     kern = PagedPallas(tpu=True, tpu_write=True)
     try:
         t0 = time.perf_counter()
-        compiled = jax.jit(kern.write).lower(layer, k, v, start).compile()
+        compiled = jax.jit(kern.write).lower(dense, k, v, start).compile()
         compile_s = time.perf_counter() - t0
-        got = jax.block_until_ready(compiled(layer, k, v, start))
+        got = to_head_major(jax.block_until_ready(compiled(dense, k, v, start)))
     except Exception as e:  # a Mosaic lowering error is what this script is for
         text = f"{type(e).__name__}: {e}".replace("\n", " ")
         return False, f"FAIL {name}: {text[:2000]}"

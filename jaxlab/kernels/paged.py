@@ -23,10 +23,13 @@ Terms and invariants, shared by every paged kernel:
 * Writes to positions ``>= NO_SLOT`` (or past ``max_pages`` pages) are dropped, which is
   how a caller skips a row, as with a contiguous cache.
 
-The pool's layout is kv-head major, ``[K, num_pages, page_size, D]`` per layer, for both
-kernels: one kv head's page is then a contiguous ``page_size x D`` slab, so the fast kernel
-gathers a row's pages as whole rows of a 2-D view and feeds them to its dots without a
-transpose (:mod:`jaxlab.kernels.paged_xla` says why that matters on XLA:CPU).
+The pool's layout is kv-head major, ``[K, num_pages, page_size, D]`` per layer, for
+``paged_reference`` and ``paged_xla``: one kv head's page is then a contiguous ``page_size x
+D`` slab, so ``paged_xla`` gathers a row's pages as whole rows of a 2-D view and feeds them
+to its dots without a transpose (:mod:`jaxlab.kernels.paged_xla` says why that matters on
+XLA:CPU). ``paged_pallas`` keeps its float pools lane-dense, ``[num_pages, page_size, K *
+D]`` (:mod:`jaxlab.kernels.paged_dense` says why); :attr:`PagedCache.dense_heads` tells
+the two apart, and every function here takes the kv-head-major one.
 
 **An int8 pool** (``inference.kv_cache_dtype = "int8"``) stores K and V as int8 and, beside
 them, one float32 scale per token and kv head (``k_scale, v_scale [K, num_pages,
@@ -59,20 +62,23 @@ KV_SCALE_BYTES = 4
 @struct.dataclass
 class PagedCache:
     """One layer's pool: ``k, v [K, num_pages, page_size, D]``; an int8 pool also holds
-    ``k_scale, v_scale f32[K, num_pages, page_size]`` (None otherwise)."""
+    ``k_scale, v_scale f32[K, num_pages, page_size]`` (None otherwise). With
+    ``dense_heads = K`` the pool is lane-dense instead, ``k, v [num_pages, page_size, K * D]``
+    (:mod:`jaxlab.kernels.paged_dense`)."""
 
     k: Array
     v: Array
     k_scale: Array | None = None
     v_scale: Array | None = None
+    dense_heads: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[0 if self.dense_heads else 1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1 if self.dense_heads else 2]
 
 
 @struct.dataclass
@@ -86,14 +92,15 @@ class PagedLayer:
     table: Array
     k_scale: Array | None = None
     v_scale: Array | None = None
+    dense_heads: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[0 if self.dense_heads else 1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1 if self.dense_heads else 2]
 
     @property
     def quantized(self) -> bool:
@@ -102,7 +109,7 @@ class PagedLayer:
 
     @property
     def pool(self) -> PagedCache:
-        return PagedCache(self.k, self.v, self.k_scale, self.v_scale)
+        return PagedCache(self.k, self.v, self.k_scale, self.v_scale, self.dense_heads)
 
 
 @struct.dataclass
@@ -130,7 +137,7 @@ class Pages:
 
     def layer(self, i: int) -> PagedLayer:
         pool = self.pools[i]
-        return PagedLayer(pool.k, pool.v, self.table, pool.k_scale, pool.v_scale)
+        return PagedLayer(pool.k, pool.v, self.table, pool.k_scale, pool.v_scale, pool.dense_heads)
 
 
 #: The fewest positions read: shorter page counts would add branches for little saving.
@@ -260,7 +267,7 @@ def visible_slots(positions: Array, table: Array, num_pages: int, page_size: int
 
 
 def gather(layer: PagedLayer) -> tuple[Array, Array]:
-    """``(k, v)`` of every table page of every row, contiguous: ``[B, max_pages *
+    """``(k, v)`` of every table page of every row (a kv-head-major pool), contiguous: ``[B, max_pages *
     page_size, K, D]``, position ``s`` at slot ``s`` (``NO_PAGE`` entries read the last
     page: mask them with :func:`present_slots`). An int8 pool is dequantized (float32)."""
     b, n = layer.table.shape

@@ -17,6 +17,12 @@ What runs where:
   (:func:`~jaxlab.kernels.paged_plan.mosaic_problem`) or on any other accelerator: the
   ``paged_xla`` kernel, the same math.
 
+**The pool layout.** Float pools are lane-dense, ``[num_pages, page_size, K * D]``
+(:class:`~jaxlab.kernels.paged_dense.PagedDenseLayout`, which says why); both Pallas
+kernels read and write that layout only, and ``paged_xla`` reads it for the calls above.
+int8 pools keep the kv-head-major layout of :mod:`jaxlab.kernels.paged`, as does a float
+pool handed in by another kernel, which also goes to ``paged_xla``.
+
 **Validated on a chip.** ``jaxlab/bench/tpu_bench.sh kernels`` runs
 ``tpu_kernel_smoke.py`` first: Mosaic compiles the kernel for each of its shapes on the TPU
 and compares it with ``paged_reference``. :data:`CHIP_VALIDATED` records that it passed
@@ -24,9 +30,8 @@ and compares it with ``paged_reference``. :data:`CHIP_VALIDATED` records that it
 :class:`PagedPallas`'s ``tpu``, so a kernel that regresses on a new JAX can be sent back to
 ``paged_xla`` on TPUs by one constant while it is fixed, without touching a config.
 
-The pool layout, the other writes and inspection are every paged kernel's
-(:class:`~jaxlab.kernels.paged.PagedLayout`). Pallas is imported on the first call, not
-with :mod:`jaxlab.kernels`, as for :mod:`jaxlab.kernels.pallas`.
+Pallas is imported on the first call, not with :mod:`jaxlab.kernels`, as for
+:mod:`jaxlab.kernels.pallas`.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxlab.kernels.paged import PagedLayer, PagedLayout
+from jaxlab.kernels.paged import PagedLayer
+from jaxlab.kernels.paged_dense import PagedDenseLayout
 from jaxlab.kernels.paged_plan import PagedBlocks, mosaic_problem
 from jaxlab.kernels.paged_xla import PagedXla
 
@@ -63,7 +69,7 @@ def runs_pallas(
     return backend == "tpu" and tpu and mosaic_problem(page_size, pool_dtype) is None
 
 
-class PagedPallas(PagedLayout):
+class PagedPallas(PagedDenseLayout):
     name = "paged_pallas"
 
     def __init__(
@@ -79,20 +85,23 @@ class PagedPallas(PagedLayout):
         self._xla = PagedXla()
 
     def write(self, cache: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
-        # One token per row into a float pool: the Pallas write where the kernel runs.
-        if cache.quantized or not runs_pallas(
+        # One token per row into a lane-dense pool: the Pallas write where the kernel runs.
+        if cache.dense_heads is None or not runs_pallas(
             k.shape[1], cache.page_size, cache.k.dtype, jax.default_backend(), tpu=self.tpu_write
         ):
             return super().write(cache, k, v, start)
         from jaxlab.kernels.pallas_paged_write import write_token
 
-        k_pool, v_pool = write_token(cache.k, cache.v, cache.table, k[:, 0], v[:, 0], start)
+        b = k.shape[0]
+        k_pool, v_pool = write_token(
+            cache.k, cache.v, cache.table, k.reshape(b, -1), v.reshape(b, -1), start
+        )
         return dataclasses.replace(cache, k=k_pool, v=v_pool)
 
     def attend_cache(self, q: Array, cache: PagedLayer, positions: Array) -> Array:
         backend = jax.default_backend()
-        # The Pallas kernel reads float pages only; an int8 pool goes to paged_xla.
-        if cache.quantized or not runs_pallas(
+        # The Pallas kernel reads lane-dense float pages only; an int8 pool goes to paged_xla.
+        if cache.dense_heads is None or not runs_pallas(
             q.shape[1], cache.page_size, cache.k.dtype, backend, tpu=self.tpu
         ):
             return self._xla.attend_cache(q, cache, positions)

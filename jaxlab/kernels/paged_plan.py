@@ -15,16 +15,17 @@ Why the sizes are what they are (``docs/kernels.md``, "The paged decode kernel")
   computed over the narrowest of a ladder of slices (:attr:`PagedPlan.widths`) that
   holds its visible slots, so a short row's one block is not a block's worth of dots
   and softmax. The default aims at :attr:`PagedBlocks.block_tokens` tokens, rounded so
-  that a block's logits ``[G, tokens]`` fill whole 128-lane vregs, and capped so the two
-  buffers of every kv head's K and V fit :data:`VMEM_BUFFER_BYTES`.
+  that a block's logits ``[H, tokens]`` fill whole 128-lane vregs, and capped so the two
+  buffers of a block's K and V (every kv head) fit :data:`VMEM_BUFFER_BYTES`.
 * **Rows per grid step.** A grid step walks its rows' blocks in one flat sequence, so
   the first block of the next row is copied while the current row's last block is
   computed; only each step's very first copy is exposed. More rows per step expose fewer
   copies; the query and output blocks of a step grow with it.
-* **Padded query groups.** The ``G`` query heads of one kv head are the rows of the
-  block's dots. They are padded to a whole sublane tile (8 rows in 32-bit, 16 in 16-bit)
-  so the query block, the logits and the accumulators are whole vreg tiles whatever ``G``
-  is (``G = 1`` for the tpu-small preset): no 1-row layouts for Mosaic to reject.
+* **Padded query heads.** The ``H`` query heads of a row are the rows of the block's dots
+  (each against every kv head's lanes, :mod:`jaxlab.kernels.pallas_paged`). They are
+  padded to a whole sublane tile (8 rows in 32-bit, 16 in 16-bit) so the query block, the
+  logits and the accumulators are whole vreg tiles whatever ``H`` is: no partial layouts
+  for Mosaic to reject.
 """
 
 from __future__ import annotations
@@ -56,16 +57,13 @@ class PagedBlocks:
     """The kernel's knobs. ``block_tokens``: tokens per compute block to aim at (the pages
     per block follow from the page size, :func:`pages_per_block`); ``pages_per_block``:
     exactly this many instead. ``rows_per_step``: batch rows per grid step (clamped to
-    the batch). ``dma_per_head``: copy a page one kv head at a time (``K`` contiguous
-    copies) instead of one strided copy of every head's slab: more copies to issue, for
-    a DMA engine or compiler that handles strided copies badly. ``min_width``: the
+    the batch). ``min_width``: the
     narrowest slice of a block a row's last block is computed over (:attr:`PagedPlan.widths`;
     a whole lane row by default, smaller only for tests of the ladder on small shapes)."""
 
     block_tokens: int = 512
     pages_per_block: int | None = None
     rows_per_step: int = 8
-    dma_per_head: bool = False
     min_width: int = LANES
 
     def __post_init__(self) -> None:
@@ -90,8 +88,8 @@ def pages_per_block(
     or down where up would not fit)."""
     if blocks.pages_per_block is not None:
         return blocks.pages_per_block
-    # Two slots of K and of V per kv head, each row padded to whole lanes in VMEM.
-    row_bytes = 4 * n_kv_heads * round_up(head_dim, LANES) * itemsize
+    # Two slots of K and of V, each token's K * D values lane-dense, padded to whole lanes.
+    row_bytes = 4 * round_up(n_kv_heads * head_dim, LANES) * itemsize
     fits = max(1, VMEM_BUFFER_BYTES // (row_bytes * page_size))
     n = min(-(-min(blocks.block_tokens, max_pages * page_size) // page_size), fits)
     if LANES % page_size == 0:
@@ -109,8 +107,8 @@ class PagedPlan:
 
     ``batch`` rows are padded to ``padded_batch`` (a multiple of ``rows_per_step``);
     the table's ``max_pages`` columns to ``table_width`` (a multiple of
-    ``pages_per_block``, padding entries ``NO_PAGE``); ``groups`` query heads per kv head
-    to ``groups_padded`` (a whole sublane tile of the query dtype).
+    ``pages_per_block``, padding entries ``NO_PAGE``); the ``heads`` query heads to
+    ``heads_padded`` (a whole sublane tile of the query dtype).
     """
 
     batch: int
@@ -118,9 +116,8 @@ class PagedPlan:
     page_size: int
     pages_per_block: int
     max_pages: int
-    groups: int
-    groups_padded: int
-    dma_per_head: bool = False
+    heads: int
+    heads_padded: int
     min_width: int = LANES
 
     @property
@@ -173,7 +170,6 @@ def make_plan(
     """The plan of one call (module docstring)."""
     if n_heads % n_kv_heads:
         raise ValueError(f"paged_pallas: {n_heads} query heads do not split over {n_kv_heads}")
-    groups = n_heads // n_kv_heads
     ppb = pages_per_block(
         blocks,
         page_size=page_size,
@@ -188,9 +184,8 @@ def make_plan(
         page_size=page_size,
         pages_per_block=ppb,
         max_pages=max_pages,
-        groups=groups,
-        groups_padded=round_up(groups, sublanes(q_dtype)),
-        dma_per_head=blocks.dma_per_head,
+        heads=n_heads,
+        heads_padded=round_up(n_heads, sublanes(q_dtype)),
         min_width=blocks.min_width,
     )
 
@@ -198,7 +193,7 @@ def make_plan(
 def mosaic_problem(page_size: int, pool_dtype: DTypeLike) -> str | None:
     """Why Mosaic cannot compile the kernel over pages of ``page_size`` tokens in
     ``pool_dtype``, or None if it can. Each page is copied into its place in a block's
-    ``[tokens, D]`` buffer, and a copy must start on a whole sublane tile of the buffer."""
+    ``[tokens, K * D]`` buffer, and a copy must start on a whole sublane tile of the buffer."""
     tile = sublanes(pool_dtype)
     if page_size % tile:
         return (

@@ -21,6 +21,10 @@ Two choices, both measured on XLA:CPU (``docs/performance.md``) and tested again
   einsum over a gathered ``[B, S, K, D]`` cache, both pay a transpose of the gathered
   pages per layer per step and ran several times slower.
 
+A lane-dense pool (``paged_pallas``'s, :mod:`jaxlab.kernels.paged_dense`: how that kernel
+runs prefill chunks and the shapes Mosaic cannot tile) is gathered as whole pages and its
+heads transposed out of the lanes, a copy the other layout does not need.
+
 An int8 pool (:mod:`jaxlab.kernels.paged`) is read without dequantizing the pages: the
 gathered int8 values go into the dots, and the per-position scales multiply the logits (K)
 and the probabilities (V), which is the same sum.
@@ -41,6 +45,7 @@ import jax.numpy as jnp
 
 from jaxlab.kernels.masks import MASK_VALUE
 from jaxlab.kernels.paged import PagedLayer, PagedLayout, page_buckets, visible_slots
+from jaxlab.kernels.paged_dense import gather_pages
 from jaxlab.kernels.reduce import softmax_last
 
 Array = jax.Array
@@ -50,13 +55,17 @@ def attend_pages(q: Array, layer: PagedLayer, positions: Array, n: int) -> Array
     """``q [B, T, H, D]`` at ``positions [B, T]`` over the first ``n`` table pages of each
     row (module docstring) -> ``[B, T, H, D]``."""
     b, t, h, d = q.shape
-    kv, num_pages, ps, _ = layer.k.shape
+    num_pages, ps = layer.num_pages, layer.page_size
+    kv = layer.dense_heads or layer.k.shape[0]
     g = h // kv
     s = n * ps
     pages = jnp.minimum(layer.table[:, :n], num_pages - 1).reshape(-1)  # NO_PAGE: masked below
     rows = (jnp.arange(kv, dtype=jnp.int32)[:, None] * num_pages + pages[None, :]).reshape(-1)
 
     def gather(pool: Array) -> Array:
+        if layer.dense_heads is not None:  # paged_pallas's pool (paged_dense), for T > 1
+            got = gather_pages(pool, layer.table[:, :n], kv)  # [B, S, K, D]
+            return got.transpose(2, 0, 1, 3).astype(q.dtype)
         flat = pool.reshape(kv * num_pages, ps * d)
         return jnp.take(flat, rows, axis=0, mode="clip").reshape(kv, b, s, d).astype(q.dtype)
 

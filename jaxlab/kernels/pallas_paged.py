@@ -11,32 +11,41 @@ decode kernel") explains the design at length; in short:
 * **Scalars first.** Each row's visible length (``position + 1``) and the page table
   (flattened) are scalar-prefetch operands: they sit in SMEM before the kernel starts,
   and the kernel reads the page ids of a block from them to address its copies.
+* **Lane-dense pages.** The pools are ``[num_pages, page_size, K * D]``
+  (:mod:`jaxlab.kernels.paged_dense`): a page of every kv head is one contiguous block
+  whose TPU tiles hold no padding, where a ``[K, num_pages, page_size, 64]`` pool would
+  move two bytes for every byte of K/V.
 * **Only the pages a row needs.** The pools stay in HBM (``memory_space=ANY``). Each
-  item's pages are copied by hand (``make_async_copy``), one DMA per page covering every
-  kv head (``pool[:, page]``, a ``[K, page_size, D]`` strided copy), into one of two
-  VMEM slots: while item ``i`` is computed, item ``i + 1``'s pages are in flight, across
-  row boundaries too. A row walks ``ceil(length / tokens)`` blocks, and in its last
+  item's pages are copied by hand (``make_async_copy``), one DMA per page and buffer
+  (``pool[page]``, ``[page_size, K * D]``), into one of two VMEM slots: while item ``i``
+  is computed, item ``i + 1``'s pages are in flight, across row boundaries too. A row walks ``ceil(length / tokens)`` blocks, and in its last
   block only the pages holding visible positions are copied: no byte past a row's length
   is read, and no table entry past it is even looked at (``NO_PAGE`` entries are never
   copied either).
-* **Online softmax** across a row's blocks, per kv head, as in the flash kernel
+* **Every head in one pair of dots.** Query head ``h`` enters as a ``[K * D]`` lane row
+  holding its ``D`` values in its kv head's lanes and zeros elsewhere, so one ``[H, K * D]
+  x [K * D, tokens]`` dot gives every head's logits against the block (the zeros drop the
+  other heads' keys), and one ``[H, tokens] x [tokens, K * D]`` dot every head's weighted
+  values, of which head ``h`` keeps its own kv head's lanes. Two dots and one softmax per
+  block, where a dot pair per kv head left the MXU idle between small dependent steps;
+  the extra multiplications by zero cost the MXU, not memory. At a row's end each head's
+  own lanes are folded onto ``D`` lanes by a dot with a 0/1 matrix (one term per output:
+  exact). ``H`` is padded to a whole sublane tile (padding rows are zeros and are sliced
+  off).
+* **Online softmax** across a row's blocks, as in the flash kernel
   (:mod:`jaxlab.kernels.pallas_flash`): running max ``m``, sum ``l`` and unnormalised
   output ``acc`` in VMEM, f32; the output is ``acc / l`` after the row's last block.
-* **Grouped heads.** The ``G`` query heads of kv head ``j`` are the rows of one
-  ``[G, D] x [D, tokens]`` dot against that head's block: K and V are read once per kv
-  head, never repeated. ``G`` is padded to a whole sublane tile (padding rows are zeros
-  and are sliced off).
 * **Masks only where needed.** A block lying wholly inside the row's length with every
   page present runs without a mask; the row's last block masks the positions past its
   length; a block with a missing page (``NO_PAGE`` inside the length) also masks that
   page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
   what the unread slots hold (an earlier item's pages, or zeros) never counts; a row
   that sees nothing comes out as zeros. The mask is on the ``[G, tokens]`` logits only,
-  never on the ``[tokens, D]`` values, which would cost a select per value per head.
+  never on the ``[tokens, K * D]`` values, which would cost a select per value.
 * **Work that follows the length.** A row's last block is computed over the narrowest
   slice of :attr:`~jaxlab.kernels.paged_plan.PagedPlan.widths` that holds its visible
   slots (128, 256 or all 512 of a default block): each width is its own branch, so a
-  32-token row costs one 128-wide pair of dots per kv head rather than a 512-wide one.
+  32-token row costs one 128-wide pair of dots rather than a 512-wide one.
 * **Precision** as in :mod:`jaxlab.kernels.base`: K/V cast to the query dtype, f32
   logits, softmax and accumulators, probabilities cast to the value dtype for the second
   dot, output in the query dtype.
@@ -91,7 +100,6 @@ class _Item:
         self.missing = [p >= num_pages for p in self.pages]
         self._bufs = (k_hbm, v_hbm, k_buf, v_buf, sems)
         self._ps = ps
-        self._per_head = plan.dma_per_head
 
     @property
     def full(self) -> Array:
@@ -109,21 +117,13 @@ class _Item:
     def _copies(self, slot: Array, i: int) -> tuple[Array, list]:
         k_hbm, v_hbm, k_buf, v_buf, sems = self._bufs
         fetch = self.in_length[i] & ~self.missing[i]
-        page = jnp.minimum(self.pages[i], k_hbm.shape[1] - 1)  # a real page even if unread
+        page = jnp.minimum(self.pages[i], k_hbm.shape[0] - 1)  # a real page even if unread
         dst = pl.ds(i * self._ps, self._ps)
-        pairs = ((k_hbm, k_buf), (v_hbm, v_buf))
-        if self._per_head:
-            heads = range(k_hbm.shape[0])
-            copies = [
-                pltpu.make_async_copy(src.at[j, page], buf.at[slot, j, dst], sems.at[n, slot])
-                for n, (src, buf) in enumerate(pairs)
-                for j in heads
-            ]
-        else:  # one strided copy: the page of every kv head
-            copies = [
-                pltpu.make_async_copy(src.at[:, page], buf.at[slot, :, dst], sems.at[n, slot])
-                for n, (src, buf) in enumerate(pairs)
-            ]
+        # One contiguous copy per page and buffer: [page_size, K * D], every kv head.
+        copies = [
+            pltpu.make_async_copy(src.at[page], buf.at[slot, dst], sems.at[n, slot])
+            for n, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))
+        ]
         return fetch, copies
 
     def start(self, slot: Array) -> None:
@@ -161,6 +161,8 @@ def _kernel(
     lengths_ref,
     table_ref,
     q_ref,
+    own_ref,
+    pick_ref,
     k_hbm,
     v_hbm,
     o_ref,
@@ -175,7 +177,7 @@ def _kernel(
     num_pages: int,
     scale: float,
 ):
-    n_kv, d = q_ref.shape[1], q_ref.shape[3]
+    lanes = q_ref.shape[2]  # K * D
     tokens = plan.block_tokens
     rows = plan.rows_per_step
     step = pl.program_id(0)
@@ -191,29 +193,31 @@ def _kernel(
         r: Array, it: _Item, slot: Array, masked: bool, holes: bool, width: int = tokens
     ) -> None:
         # Over the block's first `width` slots only: the caller makes sure no visible slot
-        # lies past them.
+        # lies past them. Every query head against every kv head's lanes at once: q is zero
+        # outside its own kv head's lanes, so each logit is its own head's dot.
         if masked:
-            keep = _visible(it, plan, (plan.groups_padded, width), holes)
-        for j in range(n_kv):
-            q = q_ref[r, j]  # [Gp, D]
-            k = k_buf[slot, j, :width].astype(q.dtype)  # [width, D]
-            v = v_buf[slot, j, :width].astype(q.dtype)
-            s = lax.dot_general(q, k, NT, preferred_element_type=F32)  # [Gp, width]
-            if scale != 1.0:
-                s = s * scale
-            if masked:
-                s = jnp.where(keep, s, MASK_VALUE)  # also drops what unread slots hold
-            m_prev = m_scr[j]  # [Gp, 128], every lane holds the row's value
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.exp(s - widen(m_next, width))
-            if masked:
-                # Exactly 0 already unless the block sees nothing (then m = MASK_VALUE).
-                p = jnp.where(keep, p, 0.0)
-            alpha = jnp.exp(m_prev - m_next)
-            l_scr[j] = alpha * l_scr[j] + jnp.sum(p, axis=1, keepdims=True)
-            m_scr[j] = m_next
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
-            acc_scr[j] = acc_scr[j] * widen(alpha, d) + pv
+            keep = _visible(it, plan, (plan.heads_padded, width), holes)
+        q = q_ref[r]  # [Hp, K * D]
+        k = k_buf[slot, :width].astype(q.dtype)  # [width, K * D]
+        v = v_buf[slot, :width].astype(q.dtype)
+        s = lax.dot_general(q, k, NT, preferred_element_type=F32)  # [Hp, width]
+        if scale != 1.0:
+            s = s * scale
+        if masked:
+            s = jnp.where(keep, s, MASK_VALUE)  # also drops what unread slots hold
+        m_prev = m_scr[...]  # [Hp, 128], every lane holds the row's value
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - widen(m_next, width))
+        if masked:
+            # Exactly 0 already unless the block sees nothing (then m = MASK_VALUE).
+            p = jnp.where(keep, p, 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_scr[...] = m_next
+        # [Hp, K * D]: head h's own lanes hold its output; the others are sums over
+        # other heads' values, finite, and dropped at the row's end.
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
+        acc_scr[...] = acc_scr[...] * widen(alpha, lanes) + pv
 
     def row_body(r: Array, slot: Array) -> Array:
         m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, F32)
@@ -248,10 +252,14 @@ def _kernel(
             return 1 - slot
 
         slot = lax.fori_loop(0, nb, block_body, slot)
-        for j in range(n_kv):
-            row_sum = l_scr[j]
-            row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)  # saw nothing: acc is 0
-            o_ref[r, j] = (acc_scr[j] / widen(row_sum, d)).astype(o_ref.dtype)
+        row_sum = l_scr[...]
+        row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)  # saw nothing: acc is 0
+        out = (acc_scr[...] / widen(row_sum, lanes)).astype(o_ref.dtype)
+        out = jnp.where(own_ref[...] != 0, out, jnp.zeros_like(out))  # each head's own lanes
+        # Fold the kv heads' lane groups onto D lanes: one nonzero term per output, exact.
+        o_ref[r] = jnp.dot(
+            out, pick_ref[...], preferred_element_type=F32, precision=_exact(out.dtype)
+        ).astype(o_ref.dtype)
         return slot
 
     # Value slots a block does not copy into are multiplied by probabilities of exactly
@@ -260,6 +268,11 @@ def _kernel(
     v_buf[...] = jnp.zeros(v_buf.shape, v_buf.dtype)
     item(jnp.int32(0), jnp.int32(0)).start(jnp.int32(0))
     lax.fori_loop(0, rows, row_body, jnp.int32(0))
+
+
+def _exact(dtype) -> lax.Precision | None:
+    """A dot that only moves 32-bit values must not round them through bf16 passes."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize == 4 else None
 
 
 def paged_decode(
@@ -273,19 +286,21 @@ def paged_decode(
     interpret: bool | None = None,
 ) -> Array:
     """Decode attention: ``q [B, H, D]`` (one token per row) over each row's first
-    ``lengths[b]`` positions, read through ``table i32[B, max_pages]`` from the pools
-    ``k_pool, v_pool [K, num_pages, page_size, D]`` -> ``[B, H, D]`` in q's dtype.
+    ``lengths[b]`` positions, read through ``table i32[B, max_pages]`` from the lane-dense
+    pools ``k_pool, v_pool [num_pages, page_size, K * D]``
+    (:mod:`jaxlab.kernels.paged_dense`) -> ``[B, H, D]`` in q's dtype.
 
     Positions whose table entry is ``NO_PAGE`` (``>= num_pages``) are invisible. A row
     that sees nothing (``lengths[b] <= 0``, or only missing pages) comes out as zeros.
     ``interpret`` defaults to Pallas interpret mode on the CPU backend.
     """
     b, h, d = q.shape
-    n_kv, num_pages, page_size, d_k = k_pool.shape
-    if v_pool.shape != k_pool.shape or d_k != d:
+    num_pages, page_size, lanes = k_pool.shape
+    n_kv = lanes // d
+    if v_pool.shape != k_pool.shape or lanes % d or h % max(n_kv, 1):
         raise ValueError(
-            f"paged_decode: pools must be [K, num_pages, page_size, D] with D = {d} for q "
-            f"{q.shape}; got k {k_pool.shape}, v {v_pool.shape}"
+            f"paged_decode: pools must be [num_pages, page_size, K * D] with D = {d} and K "
+            f"dividing the {h} heads of q {q.shape}; got k {k_pool.shape}, v {v_pool.shape}"
         )
     if table.ndim != 2 or table.shape[0] != b or lengths.shape != (b,):
         raise ValueError(
@@ -309,8 +324,14 @@ def paged_decode(
     if math.frexp(scale)[0] == 0.5:
         # A power of two (D = 16, 64, 256): folded into q exactly, one multiply per logit saved.
         q, scale = q * jnp.asarray(scale, q.dtype), 1.0
-    g, gp, bp = plan.groups, plan.groups_padded, plan.padded_batch
-    qg = jnp.pad(q.reshape(b, n_kv, g, d), ((0, bp - b), (0, 0), (0, gp - g), (0, 0)))
+    hp, bp = plan.heads_padded, plan.padded_batch
+    # own[h, c]: lane c belongs to query head h's kv head (lane c holds kv head c // D).
+    kv_of_head = jnp.arange(h) // (h // n_kv)
+    own = (jnp.arange(lanes)[None, :] // d == kv_of_head[:, None]).astype(q.dtype)  # [H, K*D]
+    q_lanes = jnp.tile(q, (1, 1, n_kv)) * own[None]  # [B, H, K * D], zero off its kv head
+    q_lanes = jnp.pad(q_lanes, ((0, bp - b), (0, hp - h), (0, 0)))
+    own = jnp.pad(own, ((0, hp - h), (0, 0)))
+    pick = (jnp.arange(lanes)[:, None] % d == jnp.arange(d)[None, :]).astype(q.dtype)
     table = jnp.pad(
         table.astype(jnp.int32),
         ((0, bp - b), (0, plan.table_width - table.shape[1])),
@@ -318,41 +339,48 @@ def paged_decode(
     )
     lengths = jnp.pad(jnp.clip(lengths.astype(jnp.int32), 0, plan.max_tokens), (0, bp - b))
     rows = plan.rows_per_step
-    q_spec = pl.BlockSpec((rows, n_kv, gp, d), lambda i, *_: (i, 0, 0, 0))
+    q_spec = pl.BlockSpec((rows, hp, lanes), lambda i, *_: (i, 0, 0))
+    o_spec = pl.BlockSpec((rows, hp, d), lambda i, *_: (i, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    buf = pltpu.VMEM((2, n_kv, plan.block_tokens, d), k_pool.dtype)
+    buf = pltpu.VMEM((2, plan.block_tokens, lanes), k_pool.dtype)
     out = pl.pallas_call(
         functools.partial(_kernel, plan=plan, num_pages=num_pages, scale=scale),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(plan.steps,),
-            in_specs=[q_spec, any_spec, any_spec],
-            out_specs=q_spec,
+            in_specs=[
+                q_spec,
+                pl.BlockSpec((hp, lanes), lambda i, *_: (0, 0)),
+                pl.BlockSpec((lanes, d), lambda i, *_: (0, 0)),
+                any_spec,
+                any_spec,
+            ],
+            out_specs=o_spec,
             scratch_shapes=[
                 buf,
                 buf,
                 pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.VMEM((n_kv, gp, LANES), F32),
-                pltpu.VMEM((n_kv, gp, LANES), F32),
-                pltpu.VMEM((n_kv, gp, d), F32),
+                pltpu.VMEM((hp, LANES), F32),
+                pltpu.VMEM((hp, LANES), F32),
+                pltpu.VMEM((hp, lanes), F32),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((bp, hp, d), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        cost_estimate=_cost(plan, b, n_kv, d, k_pool.dtype.itemsize),
+        cost_estimate=_cost(plan, b, lanes, k_pool.dtype.itemsize),
         interpret=interpret,
         name="jaxlab_paged_decode",
-    )(lengths, table.reshape(-1), qg, k_pool, v_pool)
-    return out[:b, :, :g].reshape(b, h, d)
+    )(lengths, table.reshape(-1), q_lanes, own, pick, k_pool, v_pool)
+    return out[:b, :h]
 
 
-def _cost(plan: PagedPlan, b: int, n_kv: int, d: int, itemsize: int) -> pl.CostEstimate:
+def _cost(plan: PagedPlan, b: int, lanes: int, itemsize: int) -> pl.CostEstimate:
     """What XLA's scheduler is told: at most every table page of every row, K and V."""
-    slots = b * n_kv * plan.max_tokens
+    slots = b * plan.max_tokens
     return pl.CostEstimate(
-        flops=4 * slots * plan.groups * d,
-        transcendentals=slots * plan.groups,
-        bytes_accessed=2 * slots * d * itemsize,
+        flops=4 * slots * plan.heads_padded * lanes,
+        transcendentals=slots * plan.heads_padded,
+        bytes_accessed=2 * slots * lanes * itemsize,
     )
 
 

@@ -6,10 +6,11 @@ buffer. On a TPU a scatter into the pool costs a near-fixed time per call whatev
 writes, while a decode step writes a few kilobytes per layer (a profile of the
 ``tpu-small`` batch-1 decode step on a v5e, with the figures: ``docs/performance.md``). This kernel does the same write as copies:
 
-* **Whole pages, read, patched, written back.** The pool's minor dimensions are ``(page_size,
-  D)``, so one token is one sublane row of a tile: a copy cannot address it alone. Each
-  row's page (``pool[:, page]``, every kv head) is copied into VMEM, the token's slot is
-  replaced by a select against an iota (no dynamic store), and the page is copied back.
+* **Whole pages, read, patched, written back.** The pool is lane-dense, ``[num_pages,
+  page_size, K * D]`` (:mod:`jaxlab.kernels.paged_dense`), so one token is one sublane row
+  of a tile: a copy cannot address it alone. Each row's page (``pool[page]``, one
+  contiguous block of every kv head) is copied into VMEM, the token's slot is replaced by
+  a select against an iota (no dynamic store), and the page is copied back.
   A row owns the page it writes (the host never lends a page writable twice), so no two
   rows patch the same page.
 * **All reads in flight before the first wait.** A grid step handles ``rows`` rows: it
@@ -20,10 +21,11 @@ writes, while a decode step writes a few kilobytes per layer (a profile of the
 * **Skipped rows.** A row whose position is ``NO_SLOT`` (not computed, or finished), past
   its table, or on a ``NO_PAGE`` entry writes nothing, as with ``write_at``.
 
-Float pools only: an int8 pool quantizes what it writes and keeps scales
+Lane-dense float pools only: an int8 pool quantizes what it writes and keeps scales
 (:mod:`jaxlab.kernels.paged`), and goes to ``write_at``. On the CPU the kernel runs in
-Pallas interpret mode, which is how CI tests it against ``write_at`` (they must agree bit
-for bit: both only move values).
+Pallas interpret mode, which is how CI tests it against
+:func:`jaxlab.kernels.paged_dense.write_at` (they must agree bit for bit: both only move
+values).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jaxlab.kernels.paged import token_slots
 Array = jax.Array
 
 #: Rows per grid step: every one of them has a K and a V page in VMEM at once
-#: (``2 * rows * K * page_size * 128 lanes`` elements, 3 MiB for tpu-small's 12 heads in bf16).
+#: (``2 * rows * page_size * K * D`` elements, 1.5 MiB for tpu-small's pages in bf16).
 WRITE_ROWS = 32
 
 
@@ -49,7 +51,7 @@ def _kernel(page_ref, off_ref, k_new, v_new, _k_in, _v_in, k_pool, v_pool, k_buf
     # The input pools and the output pools are one buffer each (aliased): read and written
     # through the outputs.
     rows = k_new.shape[0]
-    n_pages = k_pool.shape[1]
+    n_pages = k_pool.shape[0]
     base = pl.program_id(0) * rows
 
     def copies(r: int, to_pool: bool) -> list:
@@ -57,7 +59,7 @@ def _kernel(page_ref, off_ref, k_new, v_new, _k_in, _v_in, k_pool, v_pool, k_buf
         pairs = ((k_pool, k_buf), (v_pool, v_buf))
         out = []
         for n, (pool, buf) in enumerate(pairs):
-            src, dst = pool.at[:, page], buf.at[r]
+            src, dst = pool.at[page], buf.at[r]
             if to_pool:
                 src, dst = dst, src
             out.append(pltpu.make_async_copy(src, dst, sems.at[n, int(to_pool)]))
@@ -84,9 +86,9 @@ def _kernel(page_ref, off_ref, k_new, v_new, _k_in, _v_in, k_pool, v_pool, k_buf
 
     def patch(r: int) -> None:
         for new, buf in ((k_new, k_buf), (v_new, v_buf)):
-            page = buf[r]  # [K, page_size, D]
-            slot = lax.broadcasted_iota(jnp.int32, page.shape, 1)
-            token = jnp.broadcast_to(new[r][:, None, :].astype(page.dtype), page.shape)
+            page = buf[r]  # [page_size, K * D]
+            slot = lax.broadcasted_iota(jnp.int32, page.shape, 0)
+            token = jnp.broadcast_to(new[r].astype(page.dtype), page.shape)  # from [1, K * D]
             buf[r] = jnp.where(slot == off_ref[base + r], token, page)
         for c in copies(r, to_pool=True):
             c.start()
@@ -106,15 +108,15 @@ def write_token(
     rows: int = WRITE_ROWS,
     interpret: bool | None = None,
 ) -> tuple[Array, Array]:
-    """``k, v [B, K, D]``, one token per row at ``positions i32[B]``, written through
-    ``table i32[B, max_pages]`` into ``k_pool, v_pool [K, num_pages, page_size, D]`` (module
-    docstring) -> the new pools. ``interpret`` defaults to Pallas interpret mode on the CPU
-    backend."""
-    n_kv, num_pages, page_size, d = k_pool.shape
+    """``k, v [B, K * D]``, one token per row at ``positions i32[B]``, written through
+    ``table i32[B, max_pages]`` into the lane-dense ``k_pool, v_pool [num_pages, page_size,
+    K * D]`` (module docstring) -> the new pools. ``interpret`` defaults to Pallas interpret
+    mode on the CPU backend."""
+    num_pages, page_size, lanes = k_pool.shape
     b = k.shape[0]
-    if k.shape != (b, n_kv, d) or v.shape != k.shape or table.shape[0] != b:
+    if k.shape != (b, lanes) or v.shape != k.shape or table.shape[0] != b:
         raise ValueError(
-            f"write_token: k, v must be [B, K, D] = [{b}, {n_kv}, {d}] with a table of B "
+            f"write_token: k, v must be [B, K * D] = [{b}, {lanes}] with a table of B "
             f"rows; got k {k.shape}, v {v.shape}, table {table.shape}"
         )
     if interpret is None:
@@ -126,10 +128,11 @@ def write_token(
     bp = -(-b // rows) * rows
     page = jnp.pad(slots // page_size, (0, bp - b), constant_values=num_pages)
     off = jnp.pad(slots % page_size, (0, bp - b))
-    k, v = (jnp.pad(x, ((0, bp - b), (0, 0), (0, 0))) for x in (k, v))
-    new_spec = pl.BlockSpec((rows, n_kv, d), lambda i, *_: (i, 0, 0))
+    # [B, 1, K * D]: row r's token is a [1, K * D] tile row, broadcast over its page.
+    k, v = (jnp.pad(x, ((0, bp - b), (0, 0)))[:, None, :] for x in (k, v))
+    new_spec = pl.BlockSpec((rows, 1, lanes), lambda i, *_: (i, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    buf = pltpu.VMEM((rows, n_kv, page_size, d), k_pool.dtype)
+    buf = pltpu.VMEM((rows, page_size, lanes), k_pool.dtype)
     return pl.pallas_call(
         _kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -10,7 +10,11 @@
   block; rows padded to whole steps; a last block computed over each width of its ladder)
   and batch sizes; f32 and bf16.
 * Whatever pages past a row's length hold never reaches its output; a row that sees
-  nothing comes out as zeros; ``T > 1`` goes to ``paged_xla``.
+  nothing comes out as zeros; ``T > 1``, and a pool in the kv-head-major layout, go to
+  ``paged_xla``.
+
+The kernel reads its lane-dense pool (:mod:`jaxlab.kernels.paged_dense`): each case draws
+a kv-head-major pool for the reference and hands the kernel the same pages converted.
 
 Shapes are fixed per parametrisation (each is one interpret-mode compile), hypothesis
 varies the data.
@@ -36,6 +40,7 @@ from hypothesis import strategies as st
 
 from jaxlab.kernels import NO_SLOT, PAGED_FOR, PAGED_KERNELS
 from jaxlab.kernels import paged as pg
+from jaxlab.kernels.paged_dense import from_head_major
 from jaxlab.kernels.paged_pallas import CHIP_VALIDATED, PagedPallas, runs_pallas
 from jaxlab.kernels.paged_plan import (
     VMEM_BUFFER_BYTES,
@@ -61,15 +66,15 @@ def test_pages_per_block_is_exact_when_asked_and_lane_dense_otherwise() -> None:
     assert at(PagedBlocks(block_tokens=100), page_size=16, max_pages=64) == 8  # up to 128
     assert at(PagedBlocks(), page_size=16, max_pages=3) == 8  # one block: 48 -> 128 lanes
     assert at(PagedBlocks(block_tokens=100), page_size=48, max_pages=64) == 3  # 48 / 128: as is
-    # VMEM: two slots of K and V for 12 heads of 64 (128 lanes each) in f32 hold 341
-    # tokens, 21 pages: rounded down to whole lanes, 16.
-    per_token = 4 * 12 * 128 * 4
-    assert 21 * 16 * per_token <= VMEM_BUFFER_BYTES < 22 * 16 * per_token
-    assert at(PagedBlocks(block_tokens=4096), page_size=16, max_pages=256, itemsize=4) == 16
+    # VMEM: two slots of K and V of 12 heads of 64 (768 lanes, lane-dense) in f32 hold 682
+    # tokens, 42 pages: rounded down to whole lanes, 40.
+    per_token = 4 * 12 * 64 * 4
+    assert 42 * 16 * per_token <= VMEM_BUFFER_BYTES < 43 * 16 * per_token
+    assert at(PagedBlocks(block_tokens=4096), page_size=16, max_pages=256, itemsize=4) == 40
     assert at(PagedBlocks(block_tokens=4096), page_size=4096, max_pages=2, itemsize=4) == 1
 
 
-def test_the_plan_pads_rows_groups_and_the_table() -> None:
+def test_the_plan_pads_rows_heads_and_the_table() -> None:
     plan = make_plan(
         PagedBlocks(pages_per_block=4, rows_per_step=8),
         batch=5,
@@ -82,7 +87,7 @@ def test_the_plan_pads_rows_groups_and_the_table() -> None:
         pool_dtype=jnp.bfloat16,
     )
     assert (plan.rows_per_step, plan.padded_batch, plan.steps) == (5, 5, 1)  # clamped
-    assert (plan.groups, plan.groups_padded) == (3, 16)  # a bf16 tile is 16 rows
+    assert (plan.heads, plan.heads_padded) == (12, 16)  # a bf16 tile is 16 rows
     assert (plan.block_tokens, plan.table_width, plan.max_tokens) == (64, 12, 160)
     f32 = make_plan(
         PagedBlocks(rows_per_step=2),
@@ -95,7 +100,7 @@ def test_the_plan_pads_rows_groups_and_the_table() -> None:
         q_dtype=jnp.float32,
         pool_dtype=jnp.float32,
     )
-    assert (f32.padded_batch, f32.steps, f32.groups_padded) == (6, 3, 8)
+    assert (f32.padded_batch, f32.steps, f32.heads_padded) == (6, 3, 8)
 
 
 def test_a_rows_last_block_is_computed_over_a_ladder_of_widths() -> None:
@@ -192,9 +197,9 @@ CASES = {
     "pages-of-4-G1-width-ladder": Case(
         3, 4, (2, 2), PagedBlocks(pages_per_block=8, min_width=4, rows_per_step=3)
     ),
-    # bf16, each page copied one kv head at a time.
-    "bf16-pages-of-16-G2-copies-per-head": Case(
-        3, 16, (4, 2), PagedBlocks(pages_per_block=1, dma_per_head=True), "bfloat16"
+    # bf16, one page per block.
+    "bf16-pages-of-16-G2-one-page-blocks": Case(
+        3, 16, (4, 2), PagedBlocks(pages_per_block=1), "bfloat16"
     ),
 }
 BATCHES = {
@@ -248,8 +253,15 @@ def draw_positions(rng: np.random.Generator, case: Case, kinds: list[str]) -> np
 
 @functools.cache
 def attend(name: str, blocks: PagedBlocks | None = None):
+    """``name``'s attention over a kv-head-major layer; ``paged_pallas`` is handed the same
+    pages in its own lane-dense layout."""
     kern = PAGED_KERNELS[name] if blocks is None else PagedPallas(blocks)
-    return jax.jit(lambda q, layer, positions: kern.attend_cache(q, layer, positions))
+    dense = isinstance(kern, PagedPallas)
+
+    def run(q, layer, positions):
+        return kern.attend_cache(q, from_head_major(layer) if dense else layer, positions)
+
+    return jax.jit(run)
 
 
 @functools.cache
@@ -367,4 +379,13 @@ def test_several_tokens_per_row_are_paged_xlas() -> None:
     positions = jnp.asarray([[3, 4], [20, 21], [46, 47]], jnp.int32)
     got = attend("paged_pallas", case.blocks)(q2, layer, positions)
     want = attend("paged_xla")(q2, layer, positions)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_pool_in_another_layout_is_paged_xlas() -> None:
+    """A kv-head-major float pool (another kernel's) is read by ``paged_xla``, exactly."""
+    case = CASES["pages-of-16-G1-default"]
+    q, layer, positions = inputs(case, 3, ["any"] * 3, "rows")
+    got = PagedPallas().attend_cache(q, layer, positions)
+    want = attend("paged_xla")(q, layer, positions)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
