@@ -89,15 +89,19 @@ class _Item:
     """One (row, block) of a grid step: its scalars, read from SMEM, and its page copies."""
 
     def __init__(self, refs, plan: PagedPlan, num_pages: int, row: Array, block: Array) -> None:
-        lengths_ref, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
+        lengths_ref, holes_ref, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
         ppb, ps = plan.pages_per_block, plan.page_size
         self.length = lengths_ref[row]  # clipped to [0, max_tokens] by the wrapper
         self.tokens = plan.block_tokens
         self.first = block * plan.block_tokens  # position of the block's first slot
-        base = row * plan.table_width + block * ppb
-        self.pages = [table_ref[base + i] for i in range(ppb)]
-        self.in_length = [self.first + i * ps < self.length for i in range(ppb)]
-        self.missing = [p >= num_pages for p in self.pages]
+        self.base = row * plan.table_width + block * ppb
+        # The block's pages holding visible positions: a prefix of its pages.
+        self.n_pages = jnp.clip(lax.div(self.length - self.first + ps - 1, ps), 0, ppb)
+        #: The row has a ``NO_PAGE`` entry inside its length: its blocks mask page by page.
+        self.holes = holes_ref[row] != 0
+        self._table = table_ref
+        self._num_pages = num_pages
+        self._ppb = ppb
         self._bufs = (k_hbm, v_hbm, k_buf, v_buf, sems)
         self._ps = ps
 
@@ -106,43 +110,40 @@ class _Item:
         """Every slot of the block lies inside the row's length."""
         return self.first + self.tokens <= self.length
 
-    @property
-    def holes(self) -> Array:
-        """Some page inside the row's length is ``NO_PAGE``: its slots are masked."""
-        out = jnp.bool_(False)
-        for inside, missing in zip(self.in_length, self.missing, strict=True):
-            out = out | (inside & missing)
-        return out
+    def missing(self) -> list[Array]:
+        """Per page of the block (statically indexed): its table entry is ``NO_PAGE``."""
+        return [self._table[self.base + i] >= self._num_pages for i in range(self._ppb)]
 
-    def _copies(self, slot: Array, i: int) -> tuple[Array, list]:
+    def _each_page(self, slot: Array, act) -> None:
+        """``act(copy)`` for the K and V copies of each present page among the block's
+        first ``n_pages``: a loop of that many trips, not a branch per page the block holds."""
         k_hbm, v_hbm, k_buf, v_buf, sems = self._bufs
-        fetch = self.in_length[i] & ~self.missing[i]
-        page = jnp.minimum(self.pages[i], k_hbm.shape[0] - 1)  # a real page even if unread
-        dst = pl.ds(i * self._ps, self._ps)
-        # One contiguous copy per page and buffer: [page_size, K * D], every kv head.
-        copies = [
-            pltpu.make_async_copy(src.at[page], buf.at[slot, dst], sems.at[n, slot])
-            for n, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))
-        ]
-        return fetch, copies
+        ps = self._ps
+
+        def body(i: Array, carry: Array) -> Array:
+            page = self._table[self.base + i]
+            src_page = jnp.minimum(page, self._num_pages - 1)  # a real page even if unread
+            dst = pl.ds(pl.multiple_of(i * ps, ps), ps)
+            # One contiguous copy per page and buffer: [page_size, K * D], every kv head.
+            copies = [
+                pltpu.make_async_copy(src.at[src_page], buf.at[slot, dst], sems.at[n, slot])
+                for n, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))
+            ]
+
+            @pl.when(page < self._num_pages)
+            def _act():
+                for c in copies:
+                    act(c)
+
+            return carry
+
+        lax.fori_loop(0, self.n_pages, body, jnp.int32(0))
 
     def start(self, slot: Array) -> None:
-        for i in range(len(self.pages)):
-            fetch, copies = self._copies(slot, i)
-
-            @pl.when(fetch)
-            def _start(copies=copies):
-                for c in copies:
-                    c.start()
+        self._each_page(slot, lambda copy: copy.start())
 
     def wait(self, slot: Array) -> None:
-        for i in range(len(self.pages)):
-            fetch, copies = self._copies(slot, i)
-
-            @pl.when(fetch)
-            def _wait(copies=copies):
-                for c in copies:
-                    c.wait()
+        self._each_page(slot, lambda copy: copy.wait())
 
 
 def _visible(item: _Item, plan: PagedPlan, shape: tuple[int, int], holes: bool) -> Array:
@@ -152,13 +153,14 @@ def _visible(item: _Item, plan: PagedPlan, shape: tuple[int, int], holes: bool) 
     visible = item.first + slot < item.length
     if holes:  # compares with constants: no vector integer division for Mosaic to lower
         ps = plan.page_size
-        for i, missing in enumerate(item.missing):
+        for i, missing in enumerate(item.missing()):
             visible = visible & ~((slot >= i * ps) & (slot < (i + 1) * ps) & missing)
     return visible
 
 
 def _kernel(
     lengths_ref,
+    holes_ref,
     table_ref,
     q_ref,
     own_ref,
@@ -181,7 +183,7 @@ def _kernel(
     tokens = plan.block_tokens
     rows = plan.rows_per_step
     step = pl.program_id(0)
-    refs = (lengths_ref, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
+    refs = (lengths_ref, holes_ref, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
 
     def item(r: Array, block: Array) -> _Item:
         return _Item(refs, plan, num_pages, step * rows + r, block)
@@ -338,6 +340,11 @@ def paged_decode(
         constant_values=num_pages,
     )
     lengths = jnp.pad(jnp.clip(lengths.astype(jnp.int32), 0, plan.max_tokens), (0, bp - b))
+    # A row with a NO_PAGE entry among the pages its length covers.
+    covered = (
+        jnp.arange(plan.table_width)[None, :] < (lengths[:, None] + page_size - 1) // page_size
+    )
+    holes = jnp.any((table >= num_pages) & covered, axis=1).astype(jnp.int32)
     rows = plan.rows_per_step
     q_spec = pl.BlockSpec((rows, hp, lanes), lambda i, *_: (i, 0, 0))
     o_spec = pl.BlockSpec((rows, hp, d), lambda i, *_: (i, 0, 0))
@@ -346,7 +353,7 @@ def paged_decode(
     out = pl.pallas_call(
         functools.partial(_kernel, plan=plan, num_pages=num_pages, scale=scale),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(plan.steps,),
             in_specs=[
                 q_spec,
@@ -370,7 +377,7 @@ def paged_decode(
         cost_estimate=_cost(plan, b, lanes, k_pool.dtype.itemsize),
         interpret=interpret,
         name="jaxlab_paged_decode",
-    )(lengths, table.reshape(-1), q_lanes, own, pick, k_pool, v_pool)
+    )(lengths, holes, table.reshape(-1), q_lanes, own, pick, k_pool, v_pool)
     return out[:b, :h]
 
 
