@@ -12,10 +12,14 @@ from conftest import run_cli
 from jaxlab.bench.record import load_records
 from jaxlab.bench.serve_lora import ADAPTERS, RANK, TARGET_RATIO
 
+#: The quick run's prompts are 16 tokens (``max_len`` / 4): one prefill bucket of 16 and
+#: chunks of 16 leave the warm-up one chunk length to compile per server (row counts and
+#: chunk starts as served), not two.
 SETS = (
     "inference.max_len=64",
     "inference.max_new_tokens=8",
-    "inference.prefill_buckets=[32]",
+    "inference.prefill_buckets=[16]",
+    "serve.prefill_chunk_tokens=16",
     "serve.decode_groups=1",
 )
 
