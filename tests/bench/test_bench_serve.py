@@ -144,7 +144,9 @@ def test_url_measures_a_running_server_and_skips_the_slot_comparison(tmp_path):
     from jaxlab.serve import ModelService, ServerThread
 
     sets = ["inference.max_len=64", "inference.max_new_tokens=16"]
-    cfg = load_config("bench-tiny", sets, environ={})
+    # The sweep's prompts are 16 tokens: one bucket and chunk length for the server to warm.
+    server_sets = [*sets, "inference.prefill_buckets=[16]", f"serve.prefill_chunk_tokens={CHUNK}"]
+    cfg = load_config("bench-tiny", server_sets, environ={})
     model = served_model(cfg)
     service = ModelService.from_engine(model.engine, model.tokenizer, serve_cfg(cfg, 4, 16))
     with ServerThread(service) as srv:
