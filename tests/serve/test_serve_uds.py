@@ -163,6 +163,10 @@ def test_jaxlab_serve_uds_serves_then_drains_and_removes_its_socket(run_dir, sho
     path = short_dir / "jaxlab.sock"
     out, err = (short_dir / "stdout").open("w"), (short_dir / "stderr").open("w")
     cmd = [sys.executable, "-m", "jaxlab", "serve", "--run-dir", str(run_dir), "--uds", str(path)]
+    # One slot and one prefill length (the prompt is under 16 tokens): the socket, the readiness,
+    # the drain and the socket's removal are what is tested, not the warm-up's many shapes.
+    cmd += ["--slots", "1", "--set", "inference.prefill_buckets=[16]"]
+    cmd += ["--set", "serve.prefill_chunk_tokens=16"]
     proc = subprocess.Popen([*cmd, "--json"], stdout=out, stderr=err, env=clean_env(), cwd=ROOT)
     try:
         t_end = time.monotonic() + 600  # start-up on a loaded 2-core VM
