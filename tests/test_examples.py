@@ -57,7 +57,11 @@ def server_url(trained: tuple[Path, str]) -> Iterator[str]:
     from jaxlab.serve import ModelService, ServerThread, serve_config
 
     run_dir, _ = trained
-    cfg = serve_config(run_dir, ["serve.port=0"], environ={})
+    # One slot (the clients send one request at a time) and one prefill length (every
+    # prompt of the examples is under 32 tokens): a warm-up of a few shapes, not dozens.
+    sets = ["serve.port=0", "serve.slots=1"]
+    sets += ["inference.prefill_buckets=[32]", "serve.prefill_chunk_tokens=32"]
+    cfg = serve_config(run_dir, sets, environ={})
     srv = ServerThread(ModelService.from_run_dir(cfg, run_dir)).start()
     try:
         srv.wait_ready(timeout_s=300)
