@@ -29,11 +29,12 @@ picks one thing:
 ``paged_xla``        only the visible pages (a ``lax.switch`` over page counts), gathered
                      as whole rows of a kv-head-major pool into grouped dots (the paged
                      form of ``xla``, ``xla_cpu`` and ``xla_tpu``)
-``paged_pallas``     decode by a Pallas kernel that walks each row's pages through the
-                     table, copying only those its position needs (double-buffered DMAs
-                     from HBM, online softmax, grouped heads; interpret mode on the CPU);
-                     extend (several tokens per row) by ``paged_xla`` (the paged form of
-                     ``pallas``)
+``paged_pallas``     a lane-dense pool (``[num_pages, page_size, K * D]``); decode by a
+                     Pallas kernel that walks each row's pages through the table,
+                     copying only those its position needs (double-buffered DMAs from
+                     HBM, every head in one pair of dots, online softmax; interpret mode
+                     on the CPU); extend (several tokens per row) by ``paged_xla`` (the
+                     paged form of ``pallas``)
 ===================  ====================================================================
 
 ``auto`` is resolved once, when the model is built, from the JAX backend
