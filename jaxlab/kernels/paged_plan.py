@@ -57,9 +57,9 @@ class PagedBlocks:
     """The kernel's knobs. ``block_tokens``: tokens per compute block to aim at (the pages
     per block follow from the page size, :func:`pages_per_block`); ``pages_per_block``:
     exactly this many instead. ``rows_per_step``: batch rows per grid step (clamped to
-    the batch). ``min_width``: the
-    narrowest slice of a block a row's last block is computed over (:attr:`PagedPlan.widths`;
-    a whole lane row by default, smaller only for tests of the ladder on small shapes)."""
+    the batch). ``min_width``: the narrowest slice of a block a row's last block is
+    computed over (:attr:`PagedPlan.widths`; a whole lane row by default, smaller only for
+    tests of the ladder on small shapes)."""
 
     block_tokens: int = 512
     pages_per_block: int | None = None

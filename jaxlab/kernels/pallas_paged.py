@@ -40,7 +40,7 @@ decode kernel") explains the design at length; in short:
   length; a block with a missing page (``NO_PAGE`` inside the length) also masks that
   page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
   what the unread slots hold (an earlier item's pages, or zeros) never counts; a row
-  that sees nothing comes out as zeros. The mask is on the ``[G, tokens]`` logits only,
+  that sees nothing comes out as zeros. The mask is on the ``[H, tokens]`` logits only,
   never on the ``[tokens, K * D]`` values, which would cost a select per value.
 * **Work that follows the length.** A row's last block is computed over the narrowest
   slice of :attr:`~jaxlab.kernels.paged_plan.PagedPlan.widths` that holds its visible
