@@ -18,8 +18,9 @@ decode kernel") explains the design at length; in short:
 * **Only the pages a row needs.** The pools stay in HBM (``memory_space=ANY``). Each
   item's pages are copied by hand (``make_async_copy``), one DMA per page and buffer
   (``pool[page]``, ``[page_size, K * D]``), into one of two VMEM slots: while item ``i``
-  is computed, item ``i + 1``'s pages are in flight, across row boundaries too. A row walks ``ceil(length / tokens)`` blocks, and in its last
-  block only the pages holding visible positions are copied: no byte past a row's length
+  is computed, item ``i + 1``'s pages are in flight, across row boundaries too. A row
+  walks ``ceil(length / tokens)`` blocks, and in its last block only the pages holding
+  visible positions are copied, by a loop of as many trips: no byte past a row's length
   is read, and no table entry past it is even looked at (``NO_PAGE`` entries are never
   copied either).
 * **Every head in one pair of dots.** Query head ``h`` enters as a ``[K * D]`` lane row
@@ -37,8 +38,8 @@ decode kernel") explains the design at length; in short:
   output ``acc`` in VMEM, f32; the output is ``acc / l`` after the row's last block.
 * **Masks only where needed.** A block lying wholly inside the row's length with every
   page present runs without a mask; the row's last block masks the positions past its
-  length; a block with a missing page (``NO_PAGE`` inside the length) also masks that
-  page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
+  length; every block of a row with a missing page (``NO_PAGE`` inside its length, found
+  by the wrapper) also masks page by page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
   what the unread slots hold (an earlier item's pages, or zeros) never counts; a row
   that sees nothing comes out as zeros. The mask is on the ``[H, tokens]`` logits only,
   never on the ``[tokens, K * D]`` values, which would cost a select per value.
