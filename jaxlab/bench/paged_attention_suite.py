@@ -71,6 +71,8 @@ def pallas_variants(sweep: bool) -> list[tuple[str, Any]]:
             ("block_tokens=1024", PagedBlocks(block_tokens=1024)),
             ("rows_per_step=1", PagedBlocks(rows_per_step=1)),
             ("rows_per_step=32", PagedBlocks(rows_per_step=32)),
+            ("slots=3", PagedBlocks(slots=3)),
+            ("slots=4", PagedBlocks(slots=4)),
         ]
     return out
 

@@ -14,7 +14,7 @@ its probabilities to the value dtype for the second dot, and on a TPU an f32 dot
 in bf16 passes). The shapes cover the tpu-small preset (12 heads of 64, MHA, pages of
 16, bf16), grouped heads, head_dim 128, kv heads filling less than a lane row, f32,
 larger pages, and every knob of :class:`~jaxlab.kernels.paged_plan.PagedBlocks` (small
-and lane-sparse blocks, one row per step). The kernel reads the lane-dense pool
+and lane-sparse blocks, one row per step, three and four buffer slots). The kernel reads the lane-dense pool
 (:mod:`jaxlab.kernels.paged_dense`) of the reference's pages. A shape whose kernel would fall back to ``paged_xla``
 (a page size Mosaic cannot tile) fails: the point is to run the kernel. Then the decode
 write (:mod:`jaxlab.kernels.pallas_paged_write`) against ``write_at``'s scatter, which it
@@ -64,6 +64,10 @@ SHAPES = (
     Shape("rows_per_step=1 ragged+hole", ragged=True, blocks={"rows_per_step": 1}),
     Shape("rows_per_step=3 (padded rows)", batch=8, ragged=True, blocks={"rows_per_step": 3}),
     Shape("4/2 heads of 32: 64 lanes ragged+hole", heads=4, kv_heads=2, head_dim=32, ragged=True),
+    Shape("slots=3 ragged+hole", ragged=True, blocks={"slots": 3}),
+    Shape(
+        "slots=4 B32 ctx160 ragged+hole", batch=32, context=160, ragged=True, blocks={"slots": 4}
+    ),
 )
 
 

@@ -15,8 +15,8 @@ Why the sizes are what they are (``docs/kernels.md``, "The paged decode kernel")
   computed over the narrowest of a ladder of slices (:attr:`PagedPlan.widths`) that
   holds its visible slots, so a short row's one block is not a block's worth of dots
   and softmax. The default aims at :attr:`PagedBlocks.block_tokens` tokens, rounded so
-  that a block's logits ``[H, tokens]`` fill whole 128-lane vregs, and capped so the two
-  buffers of a block's K and V (every kv head) fit :data:`VMEM_BUFFER_BYTES`.
+  that a block's logits ``[H, tokens]`` fill whole 128-lane vregs, and capped so the
+  buffer slots of a block's K and V (every kv head) fit :data:`VMEM_BUFFER_BYTES`.
 * **Rows per grid step.** A grid step walks its rows' blocks in one flat sequence, so
   the first block of the next row is copied while the current row's last block is
   computed; only each step's very first copy is exposed. More rows per step expose fewer
@@ -57,13 +57,16 @@ class PagedBlocks:
     """The kernel's knobs. ``block_tokens``: tokens per compute block to aim at (the pages
     per block follow from the page size, :func:`pages_per_block`); ``pages_per_block``:
     exactly this many instead. ``rows_per_step``: batch rows per grid step (clamped to
-    the batch). ``min_width``: the narrowest slice of a block a row's last block is
+    the batch). ``slots``: VMEM buffers per K and V, so ``slots - 1`` items' copies are in
+    flight while one is computed (2: double buffering; more hide a copy's latency behind
+    several short rows). ``min_width``: the narrowest slice of a block a row's last block is
     computed over (:attr:`PagedPlan.widths`; a whole lane row by default, smaller only for
     tests of the ladder on small shapes)."""
 
     block_tokens: int = 512
     pages_per_block: int | None = None
     rows_per_step: int = 8
+    slots: int = 2
     min_width: int = LANES
 
     def __post_init__(self) -> None:
@@ -71,6 +74,8 @@ class PagedBlocks:
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ValueError(f"PagedBlocks.{field}: must be at least 1, got {value}")
+        if self.slots < 2:
+            raise ValueError(f"PagedBlocks.slots: must be at least 2, got {self.slots}")
 
 
 def pages_per_block(
@@ -88,8 +93,8 @@ def pages_per_block(
     or down where up would not fit)."""
     if blocks.pages_per_block is not None:
         return blocks.pages_per_block
-    # Two slots of K and of V, each token's K * D values lane-dense, padded to whole lanes.
-    row_bytes = 4 * round_up(n_kv_heads * head_dim, LANES) * itemsize
+    # The slots of K and of V, each token's K * D values lane-dense, padded to whole lanes.
+    row_bytes = 2 * blocks.slots * round_up(n_kv_heads * head_dim, LANES) * itemsize
     fits = max(1, VMEM_BUFFER_BYTES // (row_bytes * page_size))
     n = min(-(-min(blocks.block_tokens, max_pages * page_size) // page_size), fits)
     if LANES % page_size == 0:
@@ -118,6 +123,7 @@ class PagedPlan:
     max_pages: int
     heads: int
     heads_padded: int
+    slots: int = 2
     min_width: int = LANES
 
     @property
@@ -186,6 +192,7 @@ def make_plan(
         max_pages=max_pages,
         heads=n_heads,
         heads_padded=round_up(n_heads, sublanes(q_dtype)),
+        slots=blocks.slots,
         min_width=blocks.min_width,
     )
 

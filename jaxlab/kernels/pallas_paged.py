@@ -17,8 +17,9 @@ decode kernel") explains the design at length; in short:
   move two bytes for every byte of K/V.
 * **Only the pages a row needs.** The pools stay in HBM (``memory_space=ANY``). Each
   item's pages are copied by hand (``make_async_copy``), one DMA per page and buffer
-  (``pool[page]``, ``[page_size, K * D]``), into one of two VMEM slots: while item ``i``
-  is computed, item ``i + 1``'s pages are in flight, across row boundaries too. A row
+  (``pool[page]``, ``[page_size, K * D]``), into one of ``slots`` VMEM buffers (two by
+  default): while item ``i`` is computed, items ``i + 1 .. i + slots - 1`` have their
+  pages in flight, across row boundaries too. A row
   walks ``ceil(length / tokens)`` blocks, and in its last block only the pages holding
   visible positions are copied, by a loop of as many trips: no byte past a row's length
   is read, and no table entry past it is even looked at (``NO_PAGE`` entries are never
@@ -183,6 +184,7 @@ def _kernel(
     lanes = q_ref.shape[2]  # K * D
     tokens = plan.block_tokens
     rows = plan.rows_per_step
+    n_slots = plan.slots
     step = pl.program_id(0)
     refs = (lengths_ref, holes_ref, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
 
@@ -190,7 +192,24 @@ def _kernel(
         return _Item(refs, plan, num_pages, step * rows + r, block)
 
     def n_blocks(r: Array) -> Array:
-        return jnp.maximum(1, lax.div(lengths_ref[step * rows + r] + tokens - 1, tokens))
+        # r may lie past the step's rows (the prefetch cursor at the end): read a real row.
+        index = jnp.minimum(step * rows + r, lengths_ref.shape[0] - 1)
+        return jnp.maximum(1, lax.div(lengths_ref[index] + tokens - 1, tokens))
+
+    def advance(r: Array, block: Array) -> tuple[Array, Array]:
+        """The item after (r, block) in the step's flat sequence."""
+        last = block + 1 >= n_blocks(r)
+        return jnp.where(last, r + 1, r), jnp.where(last, 0, block + 1)
+
+    def prefetch(r: Array, block: Array, slot: Array) -> tuple[Array, Array]:
+        """Start item (r, block)'s copies into ``slot`` if it is one of the step's; the
+        item after it."""
+
+        @pl.when(r < rows)
+        def _start():
+            item(r, block).start(slot)
+
+        return advance(r, block)
 
     def compute(
         r: Array, it: _Item, slot: Array, masked: bool, holes: bool, width: int = tokens
@@ -222,22 +241,20 @@ def _kernel(
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
         acc_scr[...] = acc_scr[...] * widen(alpha, lanes) + pv
 
-    def row_body(r: Array, slot: Array) -> Array:
+    def row_body(r: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, F32)
         l_scr[...] = jnp.zeros(l_scr.shape, F32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
-        nb = n_blocks(r)
 
-        def block_body(block: Array, slot: Array) -> Array:
-            # The next item's pages go into the other slot before this item's are awaited.
-            last = block + 1 == nb
-            next_r = jnp.where(last, r + 1, r)
-            next_block = jnp.where(last, 0, block + 1)
-
-            @pl.when(next_r < rows)
-            def _prefetch():
-                item(next_r, next_block).start(1 - slot)
-
+        def block_body(
+            block: Array, carry: tuple[Array, Array, Array]
+        ) -> tuple[Array, Array, Array]:
+            # Item i's pages sit in slot i % slots. Before they are awaited, item i + slots
+            # - 1 (the cursor) starts into the slot item i - 1 has just left.
+            i, cursor_r, cursor_block = carry
+            ahead = lax.rem(i + n_slots - 1, n_slots)
+            cursor_r, cursor_block = prefetch(cursor_r, cursor_block, ahead)
+            slot = lax.rem(i, n_slots)
             it = item(r, block)
             it.wait(slot)
             full, holes = it.full, it.holes
@@ -252,9 +269,9 @@ def _kernel(
                 )
                 narrower = width
             pl.when(holes)(lambda: compute(r, it, slot, masked=True, holes=True))
-            return 1 - slot
+            return i + 1, cursor_r, cursor_block
 
-        slot = lax.fori_loop(0, nb, block_body, slot)
+        carry = lax.fori_loop(0, n_blocks(r), block_body, carry)
         row_sum = l_scr[...]
         row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)  # saw nothing: acc is 0
         out = (acc_scr[...] / widen(row_sum, lanes)).astype(o_ref.dtype)
@@ -263,14 +280,17 @@ def _kernel(
         o_ref[r] = jnp.dot(
             out, pick_ref[...], preferred_element_type=F32, precision=_exact(out.dtype)
         ).astype(o_ref.dtype)
-        return slot
+        return carry
 
     # Value slots a block does not copy into are multiplied by probabilities of exactly
     # 0: they must hold finite numbers, so the buffers start as zeros, not as whatever
     # VMEM held (afterwards they hold pool data, finite like everything the pool holds).
     v_buf[...] = jnp.zeros(v_buf.shape, v_buf.dtype)
-    item(jnp.int32(0), jnp.int32(0)).start(jnp.int32(0))
-    lax.fori_loop(0, rows, row_body, jnp.int32(0))
+    # The first slots - 1 items start before any is awaited.
+    cursor = (jnp.int32(0), jnp.int32(0))
+    for j in range(n_slots - 1):
+        cursor = prefetch(*cursor, jnp.int32(j))
+    lax.fori_loop(0, rows, row_body, (jnp.int32(0), *cursor))
 
 
 def _exact(dtype) -> lax.Precision | None:
@@ -350,7 +370,7 @@ def paged_decode(
     q_spec = pl.BlockSpec((rows, hp, lanes), lambda i, *_: (i, 0, 0))
     o_spec = pl.BlockSpec((rows, hp, d), lambda i, *_: (i, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    buf = pltpu.VMEM((2, plan.block_tokens, lanes), k_pool.dtype)
+    buf = pltpu.VMEM((plan.slots, plan.block_tokens, lanes), k_pool.dtype)
     out = pl.pallas_call(
         functools.partial(_kernel, plan=plan, num_pages=num_pages, scale=scale),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -367,7 +387,7 @@ def paged_decode(
             scratch_shapes=[
                 buf,
                 buf,
-                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((2, plan.slots)),
                 pltpu.VMEM((hp, LANES), F32),
                 pltpu.VMEM((hp, LANES), F32),
                 pltpu.VMEM((hp, lanes), F32),

@@ -28,7 +28,7 @@ def test_the_pallas_kernels_run_on_the_tpu_only() -> None:
     ]
     full = kernels_of("tpu", quick=False)
     pallas = [b for k, b in full if k == "paged_pallas"]
-    assert pallas[0] == "default" and len(pallas) == 5
+    assert pallas[0] == "default" and len(pallas) == 7
     assert [b for k, b in full if k == "jax_paged"] == ["pages_per_block=8", "pages_per_block=16"]
     plain = kernels_of("tpu", quick=False, sweep=False)  # below the largest batch
     assert [b for k, b in plain if k == "paged_pallas"] == ["default"]

@@ -7,8 +7,8 @@
   (shuffled across the pool, rows interleaved, spare pages, ``NO_PAGE`` tails, a missing
   page inside a row's length), over page sizes (aligned to TPU tiles or not), kv-head
   groupings (G = 1, 2, 4), block and step sizes (one block per row, several, one page per
-  block; rows padded to whole steps; a last block computed over each width of its ladder)
-  and batch sizes; f32 and bf16.
+  block; rows padded to whole steps; a last block computed over each width of its ladder;
+  two, three and four buffer slots) and batch sizes; f32 and bf16.
 * Whatever pages past a row's length hold never reaches its output; a row that sees
   nothing comes out as zeros; ``T > 1``, and a pool in the kv-head-major layout, go to
   ``paged_xla``.
@@ -71,6 +71,9 @@ def test_pages_per_block_is_exact_when_asked_and_lane_dense_otherwise() -> None:
     per_token = 4 * 12 * 64 * 4
     assert 42 * 16 * per_token <= VMEM_BUFFER_BYTES < 43 * 16 * per_token
     assert at(PagedBlocks(block_tokens=4096), page_size=16, max_pages=256, itemsize=4) == 40
+    # Four slots instead of two: half the tokens, 341, 21 pages, rounded down to 16.
+    four = PagedBlocks(block_tokens=4096, slots=4)
+    assert at(four, page_size=16, max_pages=256, itemsize=4) == 16
     assert at(PagedBlocks(block_tokens=4096), page_size=4096, max_pages=2, itemsize=4) == 1
 
 
@@ -147,6 +150,11 @@ def test_block_knobs_must_be_positive(field: str) -> None:
         PagedBlocks(**{field: 0})  # pyright: ignore[reportArgumentType]
 
 
+def test_a_block_needs_two_slots_at_least() -> None:
+    with pytest.raises(ValueError, match=r"PagedBlocks\.slots: must be at least 2"):
+        PagedBlocks(slots=1)
+
+
 def test_pallas_pairs_with_the_paged_pallas_kernel() -> None:
     assert PAGED_FOR["pallas"] == "paged_pallas"
     assert isinstance(PAGED_KERNELS["paged_pallas"], PagedPallas)
@@ -197,6 +205,10 @@ CASES = {
     "pages-of-4-G1-width-ladder": Case(
         3, 4, (2, 2), PagedBlocks(pages_per_block=8, min_width=4, rows_per_step=3)
     ),
+    # Three slots: two items' copies in flight, the cursor crossing rows and the step's end.
+    "pages-of-4-G2-three-slots": Case(
+        3, 4, (4, 2), PagedBlocks(pages_per_block=2, rows_per_step=3, slots=3)
+    ),
     # bf16, one page per block.
     "bf16-pages-of-16-G2-one-page-blocks": Case(
         3, 16, (4, 2), PagedBlocks(pages_per_block=1), "bfloat16"
@@ -205,6 +217,10 @@ CASES = {
 BATCHES = {
     "one-row": Case(1, 8, (4, 2), PagedBlocks(pages_per_block=2)),
     "five-rows-in-steps-of-2": Case(5, 8, (4, 2), PagedBlocks(pages_per_block=2, rows_per_step=2)),
+    # Four slots, one page per block: up to six blocks a row, three items ahead.
+    "five-rows-four-slots": Case(
+        5, 8, (4, 2), PagedBlocks(pages_per_block=1, rows_per_step=2, slots=4)
+    ),
 }
 
 
