@@ -28,7 +28,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
@@ -36,6 +36,7 @@ from typing import Any, Generic, TypeVar, cast
 import orbax.checkpoint as ocp
 
 from jaxlab.checkpoint import checksum
+from jaxlab.runtime.logs import quiet_absl
 
 T = TypeVar("T")
 
@@ -128,19 +129,11 @@ def _one_line(e: BaseException, root: Path | None = None) -> str:
     return text if len(text) <= 160 else text[:159] + "…"
 
 
-@contextmanager
-def _orbax_listing() -> Iterator[None]:
+def _orbax_listing() -> AbstractContextManager[None]:
     """Orbax logs (through absl) every step whose commit record is missing or damaged when it
     lists the steps; those steps are reported as unreadable here, once, when they are read.
     Its log stays visible at DEBUG."""
-    absl = logging.getLogger("absl")
-    old = absl.level
-    if absl.getEffectiveLevel() > logging.DEBUG:
-        absl.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        absl.setLevel(old)
+    return quiet_absl(logging.CRITICAL)
 
 
 def _report_read_leftovers_quietly() -> None:

@@ -9,10 +9,7 @@ damaged newest checkpoint is skipped for the newest intact one (``LoadedRun.note
 
 from __future__ import annotations
 
-import logging
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +19,7 @@ from flax import nnx
 
 from jaxlab.config.schema import JaxlabConfig
 from jaxlab.model import make_model, split_model
+from jaxlab.runtime.logs import quiet_absl
 from jaxlab.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -93,28 +91,15 @@ def load_run(
         params = ck.restore_subset(s, {"params": abstract})["params"]
         return run_cfg, tokenizer, graphdef, params
 
-    with _quiet_orbax():
+    with quiet_absl():  # a read-only manager warns that it ignores save options
         ck = Checkpointer(rd.checkpoint_dir, read_only=True)
     try:
-        with _quiet_orbax():
+        with quiet_absl():  # a read-only manager warns that it ignores save options
             restored = ck.restore_intact(step, read)
     finally:
         ck.close()
     run_cfg, tokenizer, graphdef, params = restored.value
     return LoadedRun(graphdef, params, run_cfg, tokenizer, restored.step, restored.skipped)
-
-
-@contextmanager
-def _quiet_orbax() -> Iterator[None]:
-    """Orbax warns (via absl) that a read-only manager ignores its save options: expected."""
-    absl = logging.getLogger("absl")
-    old = absl.level
-    if absl.getEffectiveLevel() > logging.DEBUG:
-        absl.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl.setLevel(old)
 
 
 def _load_tokenizer(meta: dict[str, Any], fallback_dir: Path) -> Tokenizer:

@@ -53,9 +53,10 @@ def base_params_sha256(run_dir: str | Path, step: int | None) -> tuple[int, str]
     """``(step, params sha256)`` of the base checkpoint ``step`` (None: the newest) of
     ``run_dir``: what an adapter's recorded base must equal. Reads metadata only."""
     from jaxlab.checkpoint import Checkpointer
-    from jaxlab.train.base import params_digest, quiet_orbax
+    from jaxlab.runtime.logs import quiet_absl
+    from jaxlab.train.base import params_digest
 
-    with quiet_orbax():
+    with quiet_absl():  # a read-only manager warns that it ignores save options
         ck = Checkpointer(Path(run_dir) / "checkpoints", read_only=True)
     try:
         s = ck.resolve_step(step)

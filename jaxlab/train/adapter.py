@@ -62,7 +62,7 @@ def load_adapter(run_dir: str | Path, step: int | None = None) -> Adapter:
 
     from jaxlab.checkpoint import Checkpointer
     from jaxlab.model import lora as lora_math
-    from jaxlab.train.base import quiet_orbax
+    from jaxlab.runtime.logs import quiet_absl
     from jaxlab.train.run_dir import RunDir
 
     cfg = lora_config(run_dir)
@@ -81,10 +81,10 @@ def load_adapter(run_dir: str | Path, step: int | None = None) -> Adapter:
         meta = ck.restore_meta(s)
         return ck.restore_subset(s, {"params": target})["params"], meta
 
-    with quiet_orbax():
+    with quiet_absl():
         ck = Checkpointer(rd.checkpoint_dir, read_only=True)
     try:
-        with quiet_orbax():
+        with quiet_absl():
             restored = ck.restore_intact(step, read)
     finally:
         ck.close()

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from jaxlab.runtime.logs import quiet_absl
 
 #: Where a run records its base (beside ``config.toml``).
 BASE_FILE = "base.json"
@@ -73,19 +73,6 @@ def params_digest(meta: dict[str, Any]) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-@contextmanager
-def quiet_orbax() -> Iterator[None]:
-    """A read-only Orbax manager warns (through absl) that it ignores save options."""
-    absl = logging.getLogger("absl")
-    old = absl.level
-    if absl.getEffectiveLevel() > logging.DEBUG:
-        absl.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl.setLevel(old)
-
-
 def _checkpointer(run_dir: Path) -> Any:
     from jaxlab.train.run_dir import RunDir
 
@@ -96,7 +83,7 @@ def _checkpointer(run_dir: Path) -> Any:
         raise BaseRunError(f"--from {run_dir}: the run has no checkpoints/ to start from")
     from jaxlab.checkpoint import Checkpointer  # after the cheap checks: it imports jax
 
-    with quiet_orbax():
+    with quiet_absl():  # a read-only manager warns that it ignores save options
         return Checkpointer(rd.checkpoint_dir, read_only=True)
 
 
@@ -162,7 +149,7 @@ def load_params(ref: BaseRef, base_cfg: Any, sharding: Callable[[Any], Any] | No
                 "that checkpoint, or start a new run from the base as it is now",
                 given=f"its base's checkpoint now ({ref.run_dir}, step {ref.step})",
             )
-        with quiet_orbax():
+        with quiet_absl():  # a read-only manager warns that it ignores save options
             return ck.restore_subset(ref.step, {"params": target})["params"]
     finally:
         ck.close()
@@ -213,7 +200,6 @@ __all__ = [
     "copy_tokenizer",
     "load_params",
     "params_digest",
-    "quiet_orbax",
     "read_record",
     "resolve",
     "write_record",
