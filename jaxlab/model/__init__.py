@@ -30,7 +30,12 @@ See ``docs/model.md`` for the architecture, precision policy, cache layout and m
 """
 
 from jaxlab.model.attention import Attention, apply_rope, rope_tables
-from jaxlab.model.flops import flops_per_token, matmul_param_count, param_count
+from jaxlab.model.flops import (
+    flops_per_token,
+    lora_flops_per_token,
+    matmul_param_count,
+    param_count,
+)
 from jaxlab.model.layers import MLP, Embedding, RMSNorm, dense, dropout
 from jaxlab.model.transformer import (
     AnyCache,
@@ -56,6 +61,7 @@ __all__ = [
     "dense",
     "dropout",
     "flops_per_token",
+    "lora_flops_per_token",
     "make_model",
     "matmul_param_count",
     "param_count",

@@ -79,3 +79,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, training: bool = True) ->
     if training:
         return float(6 * n + 12 * attn)
     return float(2 * n + 4 * attn)
+
+
+def lora_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: int) -> float:
+    """Training FLOPs per token with the base frozen and LoRA adapters of ``adapter_params``
+    values: ``4 * N + 6 * adapter_params + 12 * n_layers * d_model * seq_len``.
+
+    The base runs forward (``2 N``) and passes gradients back through its activations
+    (``2 N``), but computes no gradients for its own weights (the ``2 N`` a full step adds);
+    the adapters are trained in full (``6`` FLOPs per value, as in :func:`flops_per_token`);
+    the attention matmuls have no weights and run in full either way. A LoRA step that
+    reported ``6 N`` would claim work it does not do.
+    """
+    n = matmul_param_count(cfg)
+    return float(4 * n + 6 * adapter_params + 12 * cfg.n_layers * cfg.d_model * seq_len)

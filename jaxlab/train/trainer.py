@@ -35,7 +35,7 @@ from jaxlab.checkpoint import Checkpointer, Restored
 from jaxlab.config import JaxlabConfig
 from jaxlab.data import TrainLoader, eval_batches, iter_documents, prepare
 from jaxlab.data.cache import default_cache_dir
-from jaxlab.model import flops_per_token, make_model, split_model
+from jaxlab.model import flops_per_token, lora_flops_per_token, make_model, split_model
 from jaxlab.model import lora as lora_math
 from jaxlab.model.quant import Activations
 from jaxlab.parallel import build_mesh, check_model_fits, describe_mesh, place_batch
@@ -306,7 +306,14 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save,
         )
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, training=True)
+        # Model FLOPs a step needs per token: a LoRA step computes no base weight gradients.
+        self.flops_per_token = (
+            flops_per_token(cfg.model, cfg.data.seq_len, training=True)
+            if self.lora is None
+            else lora_flops_per_token(
+                cfg.model, cfg.data.seq_len, int(sum(x.size for x in jax.tree.leaves(params)))
+            )
+        )
         #: The MFU denominator (GFLOP/s, every device together) and what it is.
         self.peak_gflops: float | None = None
         self.mfu_basis: str | None = None

@@ -10,7 +10,13 @@ import pytest
 from flax import nnx
 
 from jaxlab.config.schema import ModelConfig, PrecisionConfig
-from jaxlab.model import Transformer, flops_per_token, matmul_param_count, param_count
+from jaxlab.model import (
+    Transformer,
+    flops_per_token,
+    lora_flops_per_token,
+    matmul_param_count,
+    param_count,
+)
 
 
 def real_param_count(cfg: ModelConfig) -> int:
@@ -54,6 +60,9 @@ def test_param_and_flop_counts_hand_worked() -> None:
     # training: 6 N + 12 L d T ; forward: 2 N + 4 L d T   (T = 10)
     assert flops_per_token(cfg, 10) == 6 * 6288 + 12 * 2 * 16 * 10 == 41568
     assert flops_per_token(cfg, 10, training=False) == 2 * 6288 + 4 * 2 * 16 * 10 == 13856
+    # LoRA, 100 adapter values: the base's forward and activation gradients, no weight
+    # gradients; the adapters' full 6 per value; attention in full.
+    assert lora_flops_per_token(cfg, 10, 100) == 4 * 6288 + 6 * 100 + 12 * 2 * 16 * 10 == 29592
 
 
 def test_flop_count_tied_learned() -> None:

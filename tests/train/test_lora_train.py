@@ -14,6 +14,7 @@ import pytest
 
 from jaxlab.checkpoint import Checkpointer
 from jaxlab.config import JaxlabConfig, load_config
+from jaxlab.model import flops_per_token, lora_flops_per_token
 from jaxlab.train import base as base_run
 from jaxlab.train.adapter import check_base, load_adapter
 from jaxlab.train.run_dir import RunDir
@@ -102,6 +103,10 @@ def test_lora_trains_only_the_adapter_and_lowers_the_loss(base, tmp_path):
     cfg = fine_tune_cfg(tmp_path, base, *LORA, 'train.lora.targets=["q","v","o","mlp"]')
     with Trainer(cfg, tmp_path / "lora") as t:
         adapter_shapes = {tuple(x.shape) for x in jax.tree.leaves(t.state["params"])}
+        # MFU counts the FLOPs a LoRA step does: no gradients for the base's weights.
+        adapter = sum(x.size for x in jax.tree.leaves(t.state["params"]))
+        want = lora_flops_per_token(cfg.model, cfg.data.seq_len, adapter)
+        assert t.flops_per_token == want < flops_per_token(cfg.model, cfg.data.seq_len)
         for x in jax.tree.leaves(t.state["opt_state"]):
             assert x.ndim == 0 or tuple(x.shape) in adapter_shapes  # no base-sized moments
         first = t.evaluate()["loss"]
