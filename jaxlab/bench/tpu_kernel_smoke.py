@@ -14,9 +14,10 @@ its probabilities to the value dtype for the second dot, and on a TPU an f32 dot
 in bf16 passes). The shapes cover the tpu-small preset (12 heads of 64, MHA, pages of
 16, bf16), grouped heads, head_dim 128, kv heads filling less than a lane row, f32,
 larger pages, and every knob of :class:`~jaxlab.kernels.paged_plan.PagedBlocks` (small
-and lane-sparse blocks, one row per step, three and four buffer slots). The kernel reads the lane-dense pool
-(:mod:`jaxlab.kernels.paged_dense`) of the reference's pages. A shape whose kernel would fall back to ``paged_xla``
-(a page size Mosaic cannot tile) fails: the point is to run the kernel. Then the decode
+and lane-sparse blocks, one row per step, three and four buffer slots). The kernel reads
+the lane-dense pool (:mod:`jaxlab.kernels.paged_dense`) of the reference's pages. A shape
+whose kernel would fall back to ``paged_xla`` (a page size Mosaic cannot tile) fails: the
+point is to run the kernel. Then the decode
 write (:mod:`jaxlab.kernels.pallas_paged_write`) against ``write_at``'s scatter, which it
 must equal bit for bit (:data:`WRITES`). Nothing here imports jax at import time.
 """

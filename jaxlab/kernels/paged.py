@@ -209,12 +209,15 @@ def token_slots(table: Array, positions: Array, num_pages: int, page_size: int) 
     return jnp.where(real, slot, past).astype(jnp.int32)
 
 
+def run_positions(start: Array, t: int) -> Array:
+    """``i32[B, T]``: positions ``start[b] .. start[b] + t - 1`` of each row."""
+    return start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
 def write(layer: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
     """``k, v [B, T, K, D]`` of the tokens at positions ``start[b] .. start[b] + T - 1``
     written through the table (:func:`write_at`)."""
-    t = k.shape[1]
-    positions = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return write_at(layer, k, v, positions)
+    return write_at(layer, k, v, run_positions(start, k.shape[1]))
 
 
 def write_at(layer: PagedLayer, k: Array, v: Array, positions: Array) -> PagedLayer:
@@ -267,9 +270,10 @@ def visible_slots(positions: Array, table: Array, num_pages: int, page_size: int
 
 
 def gather(layer: PagedLayer) -> tuple[Array, Array]:
-    """``(k, v)`` of every table page of every row (a kv-head-major pool), contiguous: ``[B, max_pages *
-    page_size, K, D]``, position ``s`` at slot ``s`` (``NO_PAGE`` entries read the last
-    page: mask them with :func:`present_slots`). An int8 pool is dequantized (float32)."""
+    """``(k, v)`` of every table page of every row (a kv-head-major pool), contiguous:
+    ``[B, max_pages * page_size, K, D]``, position ``s`` at slot ``s`` (``NO_PAGE`` entries
+    read the last page: mask them with :func:`present_slots`). An int8 pool is dequantized
+    (float32)."""
     b, n = layer.table.shape
     ps = layer.page_size
 
@@ -314,7 +318,8 @@ class PagedLayout:
         return init_pool(num_pages, page_size, n_kv_heads, head_dim, dtype)
 
     def write(self, cache: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
-        return write(cache, k, v, start)
+        # Through the kernel's own write_at, whatever layout that writes.
+        return self.write_at(cache, k, v, run_positions(start, k.shape[1]))
 
     def write_at(self, cache: PagedLayer, k: Array, v: Array, positions: Array) -> PagedLayer:
         return write_at(cache, k, v, positions)
@@ -356,6 +361,7 @@ __all__ = [
     "page_buckets",
     "present_slots",
     "read_at",
+    "run_positions",
     "take_rows",
     "token_slots",
     "visible_slots",

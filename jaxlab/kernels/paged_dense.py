@@ -90,13 +90,6 @@ def write_at(layer: PagedLayer, k: Array, v: Array, positions: Array) -> PagedLa
     return dataclasses.replace(layer, k=put(layer.k, k), v=put(layer.v, v))
 
 
-def write(layer: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
-    """``k, v [B, T, K, D]`` of the tokens at positions ``start[b] .. start[b] + T - 1``."""
-    t = k.shape[1]
-    positions = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return write_at(layer, k, v, positions)
-
-
 def read_at(layer: PagedLayer, positions: Array) -> tuple[Array, Array]:
     """``(k, v) [B, T, K, D]`` at ``positions [B, T]`` through the table, as
     :func:`jaxlab.kernels.paged.read_at` reads them."""
@@ -139,11 +132,6 @@ class PagedDenseLayout(PagedLayout):
             return super().init_pool(num_pages, page_size, n_kv_heads, head_dim, dtype)
         return init_pool(num_pages, page_size, n_kv_heads, head_dim, dtype)
 
-    def write(self, cache: PagedLayer, k: Array, v: Array, start: Array) -> PagedLayer:
-        if cache.dense_heads is None:
-            return super().write(cache, k, v, start)
-        return write(cache, k, v, start)
-
     def write_at(self, cache: PagedLayer, k: Array, v: Array, positions: Array) -> PagedLayer:
         if cache.dense_heads is None:
             return super().write_at(cache, k, v, positions)
@@ -168,6 +156,5 @@ __all__ = [
     "init_pool",
     "read_at",
     "to_head_major",
-    "write",
     "write_at",
 ]

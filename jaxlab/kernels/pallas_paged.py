@@ -40,9 +40,9 @@ decode kernel") explains the design at length; in short:
 * **Masks only where needed.** A block lying wholly inside the row's length with every
   page present runs without a mask; the row's last block masks the positions past its
   length; every block of a row with a missing page (``NO_PAGE`` inside its length, found
-  by the wrapper) also masks page by page. Masked logits get the finite ``MASK_VALUE`` and masked probabilities are 0, so
-  what the unread slots hold (an earlier item's pages, or zeros) never counts; a row
-  that sees nothing comes out as zeros. The mask is on the ``[H, tokens]`` logits only,
+  by the wrapper) also masks page by page. Masked logits get the finite ``MASK_VALUE``
+  and masked probabilities are 0, so what the unread slots hold (an earlier item's
+  pages, or zeros) never counts; a row that sees nothing comes out as zeros. The mask is on the ``[H, tokens]`` logits only,
   never on the ``[tokens, K * D]`` values, which would cost a select per value.
 * **Work that follows the length.** A row's last block is computed over the narrowest
   slice of :attr:`~jaxlab.kernels.paged_plan.PagedPlan.widths` that holds its visible

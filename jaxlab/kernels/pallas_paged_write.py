@@ -4,7 +4,8 @@ into its own page.
 :func:`jaxlab.kernels.paged.write_at` writes through the table with one XLA scatter per
 buffer. On a TPU a scatter into the pool costs a near-fixed time per call whatever it
 writes, while a decode step writes a few kilobytes per layer (a profile of the
-``tpu-small`` batch-1 decode step on a v5e, with the figures: ``docs/performance.md``). This kernel does the same write as copies:
+``tpu-small`` batch-1 decode step on a v5e, with the figures: ``docs/performance.md``).
+This kernel does the same write as copies:
 
 * **Whole pages, read, patched, written back.** The pool is lane-dense, ``[num_pages,
   page_size, K * D]`` (:mod:`jaxlab.kernels.paged_dense`), so one token is one sublane row

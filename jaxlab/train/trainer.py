@@ -306,13 +306,12 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save,
         )
+        trained = int(sum(x.size for x in jax.tree.leaves(params)))  # the adapter, with LoRA
         # Model FLOPs a step needs per token: a LoRA step computes no base weight gradients.
         self.flops_per_token = (
             flops_per_token(cfg.model, cfg.data.seq_len, training=True)
             if self.lora is None
-            else lora_flops_per_token(
-                cfg.model, cfg.data.seq_len, int(sum(x.size for x in jax.tree.leaves(params)))
-            )
+            else lora_flops_per_token(cfg.model, cfg.data.seq_len, trained)
         )
         #: The MFU denominator (GFLOP/s, every device together) and what it is.
         self.peak_gflops: float | None = None
@@ -320,7 +319,7 @@ class Trainer:
         if self.primary and (new_run or not self.run_dir.manifest_path.is_file()):
             extra: dict[str, Any] = {
                 "tokenizer_sha256": self.tokenizer.sha256,
-                "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
+                "param_count": trained,
                 "mesh": describe_mesh(self.mesh),
             }
             if self.base is not None:
