@@ -19,6 +19,16 @@ from jaxlab.config import load_config
 from jaxlab.train.trainer import Trainer
 
 STEPS = 5
+#: The run every mesh trains (beside its artifacts dir and mesh); the two-process test
+#: trains it too, and compares with this script's single-device losses.
+SETS = [
+    "tokenizer.kind=byte",
+    "model.vocab_size=258",
+    "data.synthetic_docs=200",
+    "data.seq_len=32",
+    "train.log_every_steps=1",
+    "train.schedule.warmup_steps=2",
+]
 
 
 def cfg_for(out: Path, mesh: str):
@@ -27,12 +37,7 @@ def cfg_for(out: Path, mesh: str):
         "tiny",
         [
             f"runtime.artifacts_dir={out / 'art'}",
-            "tokenizer.kind=byte",
-            "model.vocab_size=258",
-            "data.synthetic_docs=200",
-            "data.seq_len=32",
-            "train.log_every_steps=1",
-            "train.schedule.warmup_steps=2",
+            *SETS,
             f"parallel.data={d}",
             f"parallel.fsdp={f}",
             f"parallel.tensor={t}",

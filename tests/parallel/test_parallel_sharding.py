@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, CliResult, run_cli
+from sharded_runs import SETS, STEPS
 
 from jaxlab.config import load_config
 from jaxlab.parallel import MeshError, mesh_shape
@@ -115,42 +116,43 @@ def test_devices_shows_mesh_and_rejects_bad_ones():
     assert r.returncode == 2 and "does not divide model.n_heads" in r.stderr
 
 
-@pytest.mark.slow
-def test_two_real_processes_match_single_process(tmp_path):
-    sets = [
-        f"runtime.artifacts_dir={tmp_path / 'art'}",
-        "tokenizer.kind=byte",
-        "model.vocab_size=258",
-        "data.synthetic_docs=200",
-        "data.seq_len=32",
-        "train.log_every_steps=1",
-        "train.schedule.warmup_steps=2",
-        "parallel.data=2",
-    ]
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[CliResult, Path]:
+    """``train --processes 2 --json``, data-parallel, the config of ``runs``: one launch
+    for the losses test and the stdout test (``jaxlab launch -n 2``, the same launcher
+    behind another command, is the dead-process test's)."""
+    tmp = tmp_path_factory.mktemp("two-processes")
+    sets = [f"runtime.artifacts_dir={tmp / 'art'}", *SETS, "parallel.data=2"]
     args = [x for s in sets for x in ("--set", s)]
+    run = tmp / "two"
     r = run_cli(
-        "launch",
-        "-n",
-        "2",
-        "--",
         "train",
         "-c",
         "tiny",
         *args,
         "--steps",
-        "5",
+        str(STEPS),
+        "--processes",
+        "2",
         "--run-dir",
-        str(tmp_path / "two"),
+        str(run),
+        "--json",
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    single = [x for s in sets if not s.startswith("parallel") for x in ("--set", s)]
-    r = run_cli("train", "-c", "tiny", *single, "--steps", "5", "--run-dir", str(tmp_path / "one"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    return r, run
+
+
+@pytest.mark.slow
+def test_two_real_processes_match_single_process(runs, two_processes):
+    """Two processes, data-parallel: the losses of the single-device run of ``runs`` (the
+    same config, trained by sharded_runs.py), step for step."""
     from jaxlab.train.run_dir import RunDir
 
-    a, b = RunDir(tmp_path / "one").loss_history(), RunDir(tmp_path / "two").loss_history()
-    assert a.keys() == b.keys() == set(range(1, 6))
+    single, _ = load(runs, "1x1x1")
+    a = {int(step): loss for step, loss in single["losses"].items()}
+    b = RunDir(two_processes[1]).loss_history()
+    assert a.keys() == b.keys() == set(range(1, STEPS + 1))
     for k in a:
         np.testing.assert_allclose(b[k], a[k], rtol=LOSS_RTOL)
 
@@ -218,35 +220,11 @@ def test_a_dead_process_fails_the_others_fast(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_json_stdout_holds_one_document(tmp_path):
+def test_two_processes_json_stdout_holds_one_document(two_processes):
     """``train --processes 2 --json``: whatever the native libraries print when the two
     processes connect (gloo's "[Gloo] Rank N is connected to ..." lines, written to fd 1
     from C++) goes to stderr; stdout is exactly the one JSON document of process 0."""
-    sets = [
-        f"runtime.artifacts_dir={tmp_path / 'art'}",
-        "tokenizer.kind=byte",
-        "model.vocab_size=258",
-        "data.synthetic_docs=200",
-        "data.seq_len=32",
-        "train.log_every_steps=1",
-    ]
-    args = [x for s in sets for x in ("--set", s)]
-    run = tmp_path / "two"
-    r = run_cli(
-        "train",
-        "-c",
-        "tiny",
-        *args,
-        "--steps",
-        "2",
-        "--processes",
-        "2",
-        "--run-dir",
-        str(run),
-        "--json",
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    r, run = two_processes
     doc = json.loads(r.stdout)  # the whole of stdout is one document
-    assert doc["steps"] == 2 and doc["run_dir"] == str(run)
+    assert doc["steps"] == STEPS and doc["run_dir"] == str(run)
     assert "Gloo" not in r.stdout
