@@ -32,6 +32,33 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
+#: What one ``slow`` test weighs against an ordinary one when test files are ordered.
+SLOW_WEIGHT = 25
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The test files in order of expected cost, heaviest first: one per test, SLOW_WEIGHT
+    per ``slow`` one (each file keeps its own order). Under ``--dist loadfile`` a worker
+    takes the next file when two of its tests are left, so a heavy file handed out last
+    keeps one worker busy while the other has nothing left to take; handed out early, the
+    many light files fill the end of the run."""
+    cost: dict[Path, int] = {}
+    first: dict[Path, int] = {}
+    for i, item in enumerate(items):
+        cost[item.path] = cost.get(item.path, 0) + (
+            SLOW_WEIGHT if item.get_closest_marker("slow") else 1
+        )
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (-cost[item.path], first[item.path]))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """xdist's loadfile would hand the files out by their number of tests alone (its
+    ``--loadscope-reorder``, on by default): keep pytest_collection_modifyitems' order."""
+    if getattr(session.config.option, "loadscopereorder", False):
+        session.config.option.loadscopereorder = False
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
