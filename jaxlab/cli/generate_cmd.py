@@ -150,6 +150,12 @@ def register(app: typer.Typer) -> None:
         from jaxlab.config.run_config import run_config
 
         cfg = run_config(run_dir, set_ or [], GENERATE_SECTIONS, "jaxlab generate")
+        spec_cfg = cfg.inference.speculative
+        if spec_choice is not None:
+            method, draft_dir = spec_choice
+            spec_cfg = spec_cfg.model_copy(update={"method": method, "draft_run_dir": draft_dir})
+        if spec_cfg.method != "off" and not kv_cache:
+            raise UsageProblem("--no-kv-cache runs the cache-free baseline, which cannot speculate")
         from jaxlab.runtime import configure_runtime
 
         configure_runtime(cfg.runtime)  # before jax is imported
@@ -157,6 +163,12 @@ def register(app: typer.Typer) -> None:
         _check_sampling(sampled)
         if not rd.checkpoint_dir.is_dir():
             raise UsageProblem(f"--run-dir {run_dir}: no checkpoints to generate from")
+        if spec_cfg.method == "draft" and spec_cfg.draft_run_dir is not None:
+            from jaxlab.infer.speculative.draft import draft_dir_problem
+
+            problem = draft_dir_problem(run_dir, spec_cfg.draft_run_dir)
+            if problem is not None:  # before the target's weights are loaded
+                raise UsageProblem(f"--speculative: {problem}")
 
         from jaxlab.checkpoint import CheckpointNotFound
         from jaxlab.infer import Engine, Request, RequestError, SamplingParams, load_run, offline
@@ -169,12 +181,6 @@ def register(app: typer.Typer) -> None:
         if run.note is not None:
             console.print(run.note, markup=False, soft_wrap=True)
         engine = Engine(run.graphdef, run.params, run.cfg)
-        spec_cfg = run.cfg.inference.speculative
-        if spec_choice is not None:
-            method, draft_dir = spec_choice
-            spec_cfg = spec_cfg.model_copy(update={"method": method, "draft_run_dir": draft_dir})
-        if spec_cfg.method != "off" and not kv_cache:
-            raise UsageProblem("--no-kv-cache runs the cache-free baseline, which cannot speculate")
         from jaxlab.infer.speculative import DraftMismatch, with_speculation
 
         try:

@@ -66,9 +66,10 @@ def _tokenizer_sha(run_dir: Path) -> str | None:
 
 
 def draft_dir_problem(target_run_dir: str | Path, draft_run_dir: str | Path) -> str | None:
-    """The checks a command can make before loading anything (no jax): the draft is a run
-    directory with checkpoints, and its saved tokenizer hashes like the target's (when
-    both runs saved theirs beside the checkpoints). None when nothing is wrong so far."""
+    """The checks a command can make before loading any weights (files only; importing this
+    package does import jax): the draft is a run directory with checkpoints, and its saved
+    tokenizer hashes like the target's (when both runs saved theirs beside the
+    checkpoints). None when nothing is wrong so far."""
     draft = Path(draft_run_dir)
     if not (draft / "checkpoints").is_dir():
         return (
