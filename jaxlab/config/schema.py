@@ -531,7 +531,14 @@ class InferenceConfig(Section):
 class ServeConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    slots: int = Field(default=4, ge=1, description="Concurrent decode slots sharing one KV cache.")
+    slots: int = Field(
+        default=4,
+        ge=1,
+        description=(
+            "Concurrent decode slots, split evenly over serve.decode_groups slot groups; each"
+            " group has its own KV page pool, an even share of the server's pages."
+        ),
+    )
     prefill_batch: int = Field(
         default=8,
         ge=1,

@@ -5,9 +5,10 @@ On XLA:CPU a decode step's time grows with its rows, so one request on a 16-slot
 should pay for a one-row step, not a sixteen-row one. :class:`Rows` runs a function on the
 leading ``r`` rows only, ``r`` the smallest of a few fixed bucket sizes that covers the last
 active row (a ``lax.switch``: one compiled program, one branch per size), and pads the
-results back to the full batch with zeros. On accelerators a step barely depends on its
-rows and the switch is pure overhead, so they use :meth:`Rows.all`
-(:attr:`jaxlab.runtime.tuning.Tuning.row_buckets`).
+results back to the full batch with zeros. Accelerators use :meth:`Rows.all`
+(:attr:`jaxlab.runtime.tuning.Tuning.row_buckets`), on the premise that their step barely
+depends on its rows, so the switch would be pure overhead. The TPU v5e's paged decode step
+does not bear that out (``docs/performance.md``); buckets have not been tried on the chip.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 XLA:CPU reads a buffer in place only when a dot takes the whole buffer; every other read is
 a copy first. So the paged kernels copy the pages a step reads (a gather) before their dots,
-every layer, every step, where a contiguous cache is read in place; at a dozen rows that copy
-is as large as the weights a step reads (``docs/performance.md``). Staging pays it once per
-decode call instead:
+every layer, every step, where a contiguous cache is read in place: at full length a row's
+K/V is ``2 x n_layers x max_len x n_kv_heads x head_dim`` floats, so with a dozen rows the
+copy can be as large as the weights the step reads (``docs/inference.md`` works it out for
+bench-small). Staging pays it once per decode call instead:
 
 1. the call gathers each row's pages into the contiguous kernel's own cache (:func:`stage`);
 2. its steps are the contiguous cache's decode steps, unchanged: they read that cache in

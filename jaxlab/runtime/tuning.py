@@ -30,7 +30,9 @@ class Tuning:
     #: that contracts the ``[vocab, d_model]`` table's minor axis is much slower.
     transposed_head: bool = False
     #: Decode only the leading rows up to the last active slot (a ``lax.switch`` over row
-    #: counts): on XLA:CPU a step's time grows with its rows; on accelerators it barely does.
+    #: counts): on XLA:CPU a step's time grows with its rows. Off on accelerators, on the
+    #: premise that their step barely depends on its rows; the TPU v5e's paged decode step
+    #: does depend on them (docs/performance.md), and buckets are untried there.
     row_buckets: bool = False
     #: Decode from a contiguous copy of the rows' pages, made once per decode call
     #: (:mod:`jaxlab.kernels.staged`): XLA:CPU copies the pages a step reads before every
