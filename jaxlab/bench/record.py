@@ -49,6 +49,9 @@ class GitInfo(_Strict):
 class CpuInfo(_Strict):
     model: str
     cores: int | None
+    #: The widest vector extension (``avx512f``, ``avx2``...): two VMs can share a ``model``
+    #: ("AMD EPYC") and differ here. None in records written before it was recorded.
+    simd: str | None = None
 
 
 class DeviceInfo(_Strict):
@@ -238,7 +241,7 @@ class Environment:
     def capture(cls) -> Environment:
         """The real environment (imports jax to read the device inventory)."""
         import jaxlab
-        from jaxlab.runtime import cpu_model, device_inventory, git_state, versions
+        from jaxlab.runtime import cpu_model, cpu_simd, device_inventory, git_state, versions
 
         inv = device_inventory()
         return cls(
@@ -250,7 +253,7 @@ class Environment:
                 "count": inv["device_count"],
                 "backend": inv["backend"],
             },
-            cpu={"model": cpu_model(), "cores": os.cpu_count()},
+            cpu={"model": cpu_model(), "cores": os.cpu_count(), "simd": cpu_simd()},
         )
 
     def fields(self) -> dict[str, Any]:
@@ -262,16 +265,22 @@ class Environment:
         }
 
 
+def cpu_label(cpu: CpuInfo) -> str:
+    """The CPU's model with its widest vector extension where recorded: ``AMD EPYC (avx2)``."""
+    return f"{cpu.model} ({cpu.simd})" if cpu.simd else cpu.model
+
+
 def same_machine_warnings(a: Iterable[Record], b: Iterable[Record]) -> list[str]:
     """Environment differences that make a comparison of ``a`` and ``b`` questionable."""
     ra, rb = next(iter(a), None), next(iter(b), None)
     if ra is None or rb is None:
         return []
     out = []
-    if ra.cpu.model != rb.cpu.model or ra.cpu.cores != rb.cpu.cores:
+    simd_differs = None not in (ra.cpu.simd, rb.cpu.simd) and ra.cpu.simd != rb.cpu.simd
+    if ra.cpu.model != rb.cpu.model or ra.cpu.cores != rb.cpu.cores or simd_differs:
         out.append(
-            f"different CPUs ({ra.cpu.model}, {ra.cpu.cores} cores vs {rb.cpu.model}, "
-            f"{rb.cpu.cores} cores): not a valid comparison"
+            f"different CPUs ({cpu_label(ra.cpu)}, {ra.cpu.cores} cores vs "
+            f"{cpu_label(rb.cpu)}, {rb.cpu.cores} cores): not a valid comparison"
         )
     da, db = ra.devices, rb.devices
     if (da.platform, da.kind, da.count) != (db.platform, db.kind, db.count):

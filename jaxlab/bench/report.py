@@ -188,7 +188,8 @@ def render_markdown(records: Sequence[Record], notes: Sequence[str] = ()) -> str
         d, c, g = first.devices, first.cpu, first.git
         commit = (g.commit or "unknown")[:12] + (" (dirty)" if g.dirty else "")
         lines.append(
-            f"{d.count}x {d.platform} {d.kind} · CPU {c.model} ({c.cores} cores) · "
+            f"{d.count}x {d.platform} {d.kind} · CPU {c.model} ({c.cores} cores"
+            f"{', ' + c.simd if c.simd else ''}) · "
             f"jax {first.versions.get('jax', '?')} · commit {commit} · "
             f"config {first.config_hash or '-'}"
         )

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxlab.bench.record import Record, RecordError, case_label, load_records
+from jaxlab.bench.record import Record, RecordError, case_label, cpu_label, load_records
 from jaxlab.config.loader import not_utf8
 
 # What each suite's numbers show and do not show (prose; the numbers come from records).
@@ -301,7 +301,9 @@ def machine(r: Record) -> str:
     """Where a record ran: the CPU's model on the CPU platform, else the devices; for a
     server measured from another process (``server_platform``), the server's platform
     first."""
-    here = r.cpu.model if r.devices.platform == "cpu" else f"{r.devices.count} x {r.devices.kind}"
+    here = (
+        cpu_label(r.cpu) if r.devices.platform == "cpu" else f"{r.devices.count} x {r.devices.kind}"
+    )
     server = r.derived.get("server_platform")
     if server is not None and server != r.devices.platform:
         return f"server on {server}, client on {here}"

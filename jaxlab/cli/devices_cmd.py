@@ -54,7 +54,10 @@ def render(info: dict[str, Any]) -> None:
     if "mesh" in info:
         axes = info["mesh"]["axes"]
         table.add_row("mesh", " x ".join(f"{k}={v}" for k, v in axes.items()))
-    table.add_row("cpu", f"{info['cpu_model']} ({info['cpu_cores']} cores, {info['machine']})")
+    simd = f", {info['cpu_simd']}" if info.get("cpu_simd") else ""
+    table.add_row(
+        "cpu", f"{info['cpu_model']} ({info['cpu_cores']} cores, {info['machine']}{simd})"
+    )
     table.add_row("XLA_FLAGS", info["xla_flags"] or "(none)")
     table.add_row("JAX_PLATFORMS", info["jax_platforms"] or "(auto)")
     for name, version in info["versions"].items():

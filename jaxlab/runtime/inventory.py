@@ -52,6 +52,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The widest x86 vector extension first: what decides an f32 matmul's peak on a CPU, and what
+#: two VMs that report the same ``model name`` ("AMD EPYC") can differ in.
+_SIMD_LEVELS = ("avx512f", "avx2", "avx")
+
+
+def cpu_simd(cpuinfo: str | None = None) -> str | None:
+    """The CPU's widest vector extension (``avx512f``, ``avx2``, ``avx``; ``neon`` or ``sve``
+    on Arm, as ``/proc/cpuinfo`` names them), or None where ``/proc/cpuinfo`` says nothing.
+    Cloud VMs often report only a vendor's family name as ``model name``, so this is what
+    tells, say, an AVX-512 VM from an AVX2 one in a benchmark record. ``cpuinfo``: that
+    file's text (default: read it)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            for level in (*_SIMD_LEVELS, "sve", "asimd", "neon"):
+                if level in flags:
+                    return "neon" if level == "asimd" else level
+            return None
+    return None
+
+
 def device_inventory() -> dict[str, Any]:
     """Backend, devices and memory as JAX sees them (imports jax)."""
     import jax
@@ -90,6 +116,7 @@ def device_inventory() -> dict[str, Any]:
         "local_devices": [describe(d) for d in local],
         "cpu_model": cpu_model(),
         "cpu_vendor": cpu_vendor(),
+        "cpu_simd": cpu_simd(),
         "cpu_cores": os.cpu_count(),
         "machine": platform.machine(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),

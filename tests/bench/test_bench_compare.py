@@ -10,7 +10,7 @@ from jaxlab.bench.record import RECORDS_FILENAME, Environment, RecordWriter
 from jaxlab.config import JaxlabConfig
 
 
-def make_ctx(tmp_path, run_id: str, cpu: str = "cpu A") -> BenchContext:
+def make_ctx(tmp_path, run_id: str, cpu: str = "cpu A", simd: str | None = None) -> BenchContext:
     ctx = BenchContext(
         config=JaxlabConfig(),
         quick=False,
@@ -19,7 +19,7 @@ def make_ctx(tmp_path, run_id: str, cpu: str = "cpu A") -> BenchContext:
         env=Environment(
             versions={"jax": "1"},
             devices={"platform": "cpu", "kind": "cpu", "count": 1},
-            cpu={"model": cpu, "cores": 2},
+            cpu={"model": cpu, "cores": 2, "simd": simd},
         ),
         writer=RecordWriter(tmp_path / RECORDS_FILENAME),
     )
@@ -94,6 +94,18 @@ def test_different_machines_and_duplicates_are_warned(tmp_path):
     c = compare([ra, ra], [rb])
     assert any("different CPUs" in w and "not a valid comparison" in w for w in c.warnings)
     assert any("more than one record" in w for w in c.warnings)
+
+
+def test_one_cpu_model_with_different_vector_units_is_two_machines(tmp_path):
+    """Cloud VMs can report one ``model name`` ("AMD EPYC") for an AVX-512 and an AVX2 CPU;
+    a record without the field (written before it existed) warns about nothing it lacks."""
+    avx512 = make_ctx(tmp_path, "a", cpu="AMD EPYC", simd="avx512f")
+    avx2 = make_ctx(tmp_path, "b", cpu="AMD EPYC", simd="avx2")
+    older = make_ctx(tmp_path, "c", cpu="AMD EPYC", simd=None)
+    ra, rb, rc = (ctx.record("t", "s", [1.0, 1.0, 1.0], case={}) for ctx in (avx512, avx2, older))
+    warned = compare([ra], [rb]).warnings
+    assert any("AMD EPYC (avx512f)" in w and "AMD EPYC (avx2)" in w for w in warned)
+    assert not any("different CPUs" in w for w in compare([ra], [rc]).warnings)
 
 
 def test_verdict_on_disjoint_identical_spreads(tmp_path):
