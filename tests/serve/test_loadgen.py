@@ -101,5 +101,8 @@ def test_arrivals_keep_coming_until_the_closed_loop_is_done():
     assert 2 <= len(came.results) <= 8
     prompts = [b["prompt"] for b in fake.seen if b["prompt"].startswith("arrival")]
     assert prompts == [f"arrival {i}" for i in range(len(came.results))]
+    # The loop's task completes a few event-loop turns after its last answer arrives, and an
+    # arrival due in between is still sent (the rule is "until the loop is done"): so one
+    # arrival may start after the last stream's end, never more (a second is 50 ms later).
     last_stream_end = max(r.t_end for r in loop.results)
-    assert all(r.t_start <= last_stream_end for r in came.results)
+    assert sum(r.t_start > last_stream_end for r in came.results) <= 1
