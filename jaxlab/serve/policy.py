@@ -9,7 +9,7 @@ The reasons behind each choice are explained, with measurements, in ``docs/servi
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def admission_sizes(prefill_batch: int) -> tuple[int, ...]:
@@ -125,27 +125,43 @@ def grow_target(position: int, chunk_tokens: int, chunks_ahead: int, cap: int) -
     return min(cap, position + chunk_tokens * (1 + chunks_ahead))
 
 
-def plan_chunks(waiting: Sequence[tuple[int, int]], budget: int | None, max_rows: int) -> list[int]:
+def plan_chunks(
+    waiting: Sequence[tuple[int, int]],
+    budget: int | None,
+    max_rows: int,
+    spent: Mapping[int, int] | None = None,
+) -> list[int]:
     """Prompt tokens to prefill this round for each sequence being prefilled (0: none).
 
     ``waiting`` holds ``(slot group, tokens left)`` per sequence, oldest first; ``budget``
-    is the round's token limit (None: none, whole prompts) and ``max_rows`` the most
-    sequences one group prefills in one call. Oldest first, each gets what it has left
-    while the budget lasts; the first that does not fit gets the rest of the budget (its
-    prompt continues next step). So one long prompt cannot hold back the decode chunk for
-    longer than ``budget`` tokens of prefill, and short prompts are packed together.
+    is each slot group's token limit for the round (None: none, whole prompts) and
+    ``max_rows`` the most sequences one group prefills in one call; ``spent``, the tokens
+    each group already prefilled this round (earlier calls of the same step). Oldest first, each gets
+    what it has left while its group's budget lasts; the first that does not fit gets the
+    rest of that budget (its prompt continues next step). So one long prompt cannot hold
+    back its group's decode chunk for longer than ``budget`` tokens of prefill, and short
+    prompts are packed together.
+
+    The budget is per group because a group's decode waits only for its own group's
+    prefill: the groups' prefill calls are dispatched side by side, each on its group's
+    thread (:meth:`Scheduler._run_chunks`). One budget shared by the groups would admit a
+    busy server's prompts at one group's rate.
     """
     out: list[int] = []
     rows: dict[int, int] = {}
+    room: dict[int, int] = {}
+    spent = spent or {}
     for group, left in waiting:
-        take = left if budget is None else min(left, budget)
+        if budget is not None and group not in room:
+            room[group] = max(budget - spent.get(group, 0), 0)
+        take = left if budget is None else min(left, room[group])
         if take <= 0 or rows.get(group, 0) >= max_rows:
             out.append(0)
             continue
         rows[group] = rows.get(group, 0) + 1
         out.append(take)
         if budget is not None:
-            budget -= take
+            room[group] -= take
     return out
 
 

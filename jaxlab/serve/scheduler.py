@@ -307,6 +307,7 @@ class Scheduler:
         ones). Requests that arrive meanwhile are admitted too, before the next decode
         chunk (prefill goes first, as vLLM's scheduler prefers prefills)."""
         budget = self.prefill_chunk_tokens or None
+        spent: dict[int, int] = {}  # prompt tokens each slot group prefilled this step
         admitted, did = 0, False
         while not self._waiting.stopped:
             admitted += self._admit(self.slots - admitted)
@@ -314,20 +315,20 @@ class Scheduler:
                 (e for e in self._running if e is not None and not e.decoding),
                 key=lambda e: e.order,
             )
+            groups = [self._group(e).index for e in prefilling]
             plan = plan_chunks(
-                [(self._group(e).index, len(e.seq) - e.computed) for e in prefilling],
+                [(g, len(e.seq) - e.computed) for g, e in zip(groups, prefilling, strict=True)],
                 budget,
                 self.prefill_batch,
+                spent,
             )
             work = [(e, n) for e, n in zip(prefilling, plan, strict=True) if n > 0]
             if not work:
                 break
             did = True
             self._run_chunks(work)
-            if budget is not None:
-                budget -= sum(n for _, n in work)
-                if budget <= 0:
-                    break
+            for g, n in zip(groups, plan, strict=True):
+                spent[g] = spent.get(g, 0) + n
         return did or admitted > 0
 
     def _admit(self, limit: int) -> int:

@@ -150,34 +150,42 @@ def test_grow_target_covers_the_coming_chunk_and_those_in_flight(position, k, ah
     st.lists(st.tuples(st.integers(0, 2), st.integers(1, 50)), max_size=12),
     st.one_of(st.none(), st.integers(1, 64)),
     st.integers(1, 4),
+    st.dictionaries(st.integers(0, 2), st.integers(0, 80), max_size=3),
 )
-def test_plan_chunks_keeps_the_budget_the_row_cap_and_the_order(waiting, budget, max_rows):
-    plan = plan_chunks(waiting, budget, max_rows)
+def test_plan_chunks_keeps_each_groups_budget_the_row_cap_and_the_order(
+    waiting, budget, max_rows, spent
+):
+    plan = plan_chunks(waiting, budget, max_rows, spent)
     assert len(plan) == len(waiting)
     assert all(0 <= n <= left for n, (_, left) in zip(plan, waiting, strict=True))
-    if budget is not None:
-        assert sum(plan) <= budget
     for g in {g for g, _ in waiting}:
-        assert sum(1 for n, (h, _) in zip(plan, waiting, strict=True) if h == g and n) <= max_rows
-    # Oldest first: a request gets less than it has left only when the budget ran out or
-    # its group's call is full; and then every later one in that situation gets nothing.
-    spent = 0
+        mine = [n for n, (h, _) in zip(plan, waiting, strict=True) if h == g]
+        if budget is not None:
+            assert sum(mine) <= max(budget - spent.get(g, 0), 0)
+        assert sum(1 for n in mine if n) <= max_rows
+    # Oldest first within a group: a request gets less than it has left only when its
+    # group's budget ran out or its group's call is full; and then every later one of that
+    # group gets nothing. Groups do not take from each other's budgets.
+    used: dict[int, int] = {}
     rows: dict[int, int] = {}
     for n, (g, left) in zip(plan, waiting, strict=True):
-        room = None if budget is None else budget - spent
+        room = None if budget is None else max(budget - spent.get(g, 0) - used.get(g, 0), 0)
         if rows.get(g, 0) >= max_rows:
             assert n == 0
         else:
             assert n == (left if room is None else min(left, room))
         if n:
             rows[g] = rows.get(g, 0) + 1
-        spent += n
+        used[g] = used.get(g, 0) + n
 
 
 def test_plan_chunks_examples():
     assert plan_chunks([(0, 40), (0, 3)], 8, 4) == [8, 0]  # the long one first, cut
     assert plan_chunks([(0, 3), (0, 3), (0, 40)], 16, 4) == [3, 3, 10]
     assert plan_chunks([(0, 3), (0, 3), (1, 3)], None, 1) == [3, 0, 3]  # one row per group
+    # Each group has its own budget: group 1 is not starved by group 0's long prompt.
+    assert plan_chunks([(0, 40), (1, 40)], 16, 4) == [16, 16]
+    assert plan_chunks([(0, 40), (1, 40)], 16, 4, {0: 10, 1: 16}) == [6, 0]
 
 
 @pytest.mark.parametrize(
