@@ -564,8 +564,9 @@ class ServeConfig(Section):
         default=64,
         ge=0,
         description=(
-            "Prompt tokens prefilled per scheduler step, between decode chunks, so running"
-            " requests keep their pace while a long prompt enters. 0 = whole prompts."
+            "Prompt tokens each slot group prefills per scheduler step, between decode chunks,"
+            " so running requests keep their pace while a long prompt enters. 0 = whole"
+            " prompts."
         ),
     )
     max_queue: int = Field(
