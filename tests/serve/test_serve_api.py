@@ -807,7 +807,7 @@ def test_requests_admitted_together_share_a_prefill_per_group_and_equal_offline(
     server, engine, run_dir, cfg
 ):
     """With every slot free, waiting requests spread over the two slot groups and each
-    group prefills its own as one ragged call, within the step's budget (one finishes in
+    group prefills its own as one ragged call, within its own budget (one finishes in
     prefill and gives its slot to the fifth); each output equals generating it alone, and
     nothing compiles beyond the warm-up."""
     from jaxlab.infer.sampling import SamplingParams
@@ -823,17 +823,17 @@ def test_requests_admitted_together_share_a_prefill_per_group_and_equal_offline(
     ]
     outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     assert outputs == expected
-    # Slots 0, 2, 1, 3 in turn; the step's 32 tokens: [3, 2] in group 0, [25, 2] in group 1
-    # (the 12-token prompt is cut). The one done in prefill frees slot 1 for the last, and
-    # the next step prefills the rest of the 12 and the last one.
-    assert prefills == [[3, 2], [25, 2], [10], [4]]
+    # Slots 0, 2, 1, 3 in turn; each group's 32 tokens of the step: [3, 2] in group 0,
+    # [25, 7] in group 1 (the 12-token prompt is cut). The one done in prefill frees slot 1
+    # for the last, and the next step prefills the rest of the 12 and the last one.
+    assert prefills == [[3, 2], [25, 7], [5], [4]]
     assert engine.compiles == s.compiles_after_warmup
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_packed_with_short_ones(server, engine, run_dir, cfg):
     """serve.prefill_chunk_tokens = 32: a 100-token prompt is prefilled 32 tokens a step,
-    oldest first, and its last 4 are packed with the short prompt of its slot group (and
-    the other group's) in the rest of the step's budget. Each output equals offline
+    oldest first, and its last 4 are packed with the short prompt of its slot group in the
+    rest of the group's budget; the other group spends its own budget meanwhile. Each output equals offline
     generation."""
     from jaxlab.infer.sampling import SamplingParams
 
@@ -846,10 +846,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_packed_with_short_ones(server, eng
     ]
     outputs, expected, prefills = admit_together(server, engine, run_dir, cfg, reqs)
     assert outputs == expected
-    # Slots 0 (group 0), 2 (group 1), 1 (group 0): the 100-token prompt gets the whole
-    # budget three steps running; the fourth, its last 4 with the 9-token one, and the
-    # 5-token one.
-    assert prefills == [[32], [32], [32], [4, 9], [5]]
+    # Slots 0 (group 0), 2 (group 1), 1 (group 0): the 100-token prompt gets group 0's
+    # whole budget three steps running while group 1 prefills the 5-token one in the first;
+    # the fourth step, its last 4 with the 9-token one.
+    assert prefills == [[32], [5], [32], [32], [4, 9]]
     assert engine.compiles == s.compiles_after_warmup
 
 
