@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from sharded_runs import SETS  # the same tiny run as the full-training meshes
 
 from jaxlab.config import load_config
 from jaxlab.train import base as base_run
@@ -28,12 +29,7 @@ def cfg_for(out: Path, mesh: str, *extra: str):
         "tiny",
         [
             f"runtime.artifacts_dir={out / 'art'}",
-            "tokenizer.kind=byte",
-            "model.vocab_size=258",
-            "data.synthetic_docs=200",
-            "data.seq_len=32",
-            "train.log_every_steps=1",
-            "train.schedule.warmup_steps=2",
+            *SETS,
             f"parallel.data={d}",
             f"parallel.fsdp={f}",
             f"parallel.tensor={t}",
