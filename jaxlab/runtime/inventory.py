@@ -31,51 +31,49 @@ def versions() -> dict[str, str]:
     return out
 
 
-def cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or ``""`` if unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-#: The widest x86 vector extension first: what decides an f32 matmul's peak on a CPU, and what
-#: two VMs that report the same ``model name`` ("AMD EPYC") can differ in.
-_SIMD_LEVELS = ("avx512f", "avx2", "avx")
-
-
-def cpu_simd(cpuinfo: str | None = None) -> str | None:
-    """The CPU's widest vector extension (``avx512f``, ``avx2``, ``avx``; ``neon`` or ``sve``
-    on Arm, as ``/proc/cpuinfo`` names them), or None where ``/proc/cpuinfo`` says nothing.
-    Cloud VMs often report only a vendor's family name as ``model name``, so this is what
-    tells, say, an AVX-512 VM from an AVX2 one in a benchmark record. ``cpuinfo``: that
-    file's text (default: read it)."""
+def _cpuinfo_field(names: tuple[str, ...], cpuinfo: str | None = None) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line whose key starts with one of ``names``
+    (``cpuinfo``: that file's text, default: read it); None where there is none."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return None
     for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags = set(line.split(":", 1)[1].split())
-            for level in (*_SIMD_LEVELS, "sve", "asimd", "neon"):
-                if level in flags:
-                    return "neon" if level == "asimd" else level
-            return None
+        if line.startswith(names):
+            return line.split(":", 1)[1].strip()
     return None
+
+
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or ``""`` if unknown."""
+    return _cpuinfo_field(("vendor_id",)) or ""
+
+
+def cpu_model() -> str:
+    model = _cpuinfo_field(("model name",))
+    return model if model is not None else platform.processor() or platform.machine()
+
+
+#: Widest first, with the name each is recorded under: what decides an f32 matmul's peak on
+#: a CPU, and what two VMs that report the same ``model name`` ("AMD EPYC") can differ in.
+_SIMD_LEVELS = (
+    ("avx512f", "avx512f"),
+    ("avx2", "avx2"),
+    ("avx", "avx"),
+    ("sve", "sve"),
+    ("asimd", "neon"),
+    ("neon", "neon"),
+)
+
+
+def cpu_simd(cpuinfo: str | None = None) -> str | None:
+    """The CPU's widest vector extension (``avx512f``, ``avx2``, ``avx``; ``sve`` or ``neon``
+    on Arm), or None where ``/proc/cpuinfo`` names none. Cloud VMs often report only a
+    vendor's family name as ``model name``, so this is what tells, say, an AVX-512 VM from an
+    AVX2 one in a benchmark record. ``cpuinfo``: that file's text (default: read it)."""
+    flags = set((_cpuinfo_field(("flags", "Features"), cpuinfo) or "").split())
+    return next((name for flag, name in _SIMD_LEVELS if flag in flags), None)
 
 
 def device_inventory() -> dict[str, Any]:

@@ -303,9 +303,8 @@ class Scheduler:
     def _prefill(self) -> bool:
         """Admit and prefill until each slot group's prompt-token budget for the step is
         spent (:func:`plan_chunks`), nothing is left to prefill, or ``slots`` requests were
-        admitted this step (requests that finish in
-        prefill free their slot at once, and a stream of them must not starve the decoding
-        ones). Requests that arrive meanwhile are admitted too, before the next decode
+        admitted this step (requests that finish in prefill free their slot at once, and a
+        stream of them must not starve the decoding ones). Requests that arrive meanwhile are admitted too, before the next decode
         chunk (prefill goes first, as vLLM's scheduler prefers prefills)."""
         budget = self.prefill_chunk_tokens or None
         spent: dict[int, int] = {}  # prompt tokens each slot group prefilled this step
