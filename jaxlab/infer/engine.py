@@ -20,7 +20,7 @@ against these verbs alone, and the cache-free baseline
 
 Every jitted function is a :class:`ShapeKeyedJit`, so compiles are explicit, timed and
 counted (:attr:`Engine.compiles`): for a decode state of a given pool, ``prefill`` once
-per (length bucket, row bucket, from-start or not), ``generate`` once per (k, slots),
+per (length bucket, row bucket, from-start or not), ``generate`` once per (k, slots, staged length: :mod:`jaxlab.kernels.staged`),
 ``insert`` once per (prefix rows, slots), ``init_decode_state`` once per (slots, pages);
 ``set_table`` never compiles.
 
@@ -59,6 +59,7 @@ from jaxlab.infer.steps import (
     step_weight_bytes,
 )
 from jaxlab.kernels.paged import KV_SCALE_BYTES, PagedCache, Pages, max_pages_for
+from jaxlab.kernels.staged import stage_length, stage_lengths
 from jaxlab.model import make_model, split_model
 from jaxlab.model.transformer import is_stacked, unstack_params
 from jaxlab.runtime import tuning
@@ -91,14 +92,16 @@ class Prefill(NamedTuple):
     chunk and no pools), each row's sampled token and whether it already finished
     (device arrays; rows past the chunks are padding, and a chunk that is not its
     prompt's ``last`` has a meaningless token), the bucket the chunks were padded to
-    (None: not bucketed), and each chunk's ``last`` flag (:meth:`Engine.insert` skips the
-    rows whose prompt goes on)."""
+    (None: not bucketed), each chunk's ``last`` flag (:meth:`Engine.insert` skips the
+    rows whose prompt goes on), and the span of the chunks' page lists
+    (``DecodeState.span``; None: not known)."""
 
     state: Any
     tokens: Array
     done: Array
     bucket: int | None
     last: tuple[bool, ...] = ()
+    span: int | None = None
 
 
 def put(x: np.ndarray) -> Array:
@@ -169,7 +172,7 @@ class Engine:
         self._insert = ShapeKeyedJit(
             make_insert(), name="insert", donate_argnums=(1,), warn_on_recompile=False
         )
-        self._generate: dict[int, ShapeKeyedJit] = {}
+        self._generate: dict[tuple[int, int | None], ShapeKeyedJit] = {}
         self._zero_pools: dict[int, ShapeKeyedJit] = {}
         self._jitted: list[ShapeKeyedJit] = [*self._prefill.values(), self._insert]
         self._naive: NaiveEngine | None = None
@@ -337,6 +340,25 @@ class Engine:
         self._jitted.append(fn)
         return fn
 
+    @property
+    def staged(self) -> bool:
+        """Whether decode calls stage the pages (:mod:`jaxlab.kernels.staged`): the tuning's
+        choice, except for an int8 pool, which is read page by page (the staged cache is
+        float)."""
+        return self.tuning.staged_pages and self.kv_cache_dtype != "int8"
+
+    @property
+    def stage_lengths(self) -> tuple[int, ...]:
+        """The lengths a decode call may stage, shortest first (``max_len`` alone where
+        calls do not stage): one ``generate`` executable per length used."""
+        if not self.staged:
+            return (self.max_len,)
+        return stage_lengths(self.max_len, self.page_size, self.max_pages)
+
+    def span_of(self, table: np.ndarray, num_pages: int) -> int:
+        """``DecodeState.span`` of the host page ``table`` over a pool of ``num_pages``."""
+        return stage_length(table, num_pages, self.page_size, self.stage_lengths)
+
     # ------------------------------------------------------------------ the verbs
 
     def init_decode_state(self, slots: int, num_pages: int | None = None) -> DecodeState:
@@ -369,6 +391,7 @@ class Engine:
             sampling=empty_sampling_arrays(slots),
             adapter=put(np.zeros((slots,), np.int32)),
             max_len=self.max_len,
+            span=self.stage_lengths[0],
         )
 
     def set_table(self, state: DecodeState, table: np.ndarray) -> DecodeState:
@@ -383,7 +406,9 @@ class Engine:
             )
         if table.size and not (table.min() >= 0 and table.max() <= n):
             raise ValueError(f"page table entries must be page ids 0..{n - 1} or NO_PAGE = {n}")
-        return dataclasses.replace(state, cache=Pages(state.cache.pools, put(table)))
+        return dataclasses.replace(
+            state, cache=Pages(state.cache.pools, put(table)), span=self.span_of(table, n)
+        )
 
     def prefill(
         self,
@@ -438,14 +463,18 @@ class Engine:
         )
         state = dataclasses.replace(state, cache=Pages(pools, state.cache.table))
         last = tuple(c.last for c in chunks)
-        return state, Prefill(prefix, prefix.tokens, prefix.done, bucket, last)
+        span = self.span_of(batch.table, state.cache.num_pages)
+        return state, Prefill(prefix, prefix.tokens, prefix.done, bucket, last, span)
 
     def insert(self, prefix: Prefill, state: DecodeState, slots: Sequence[int]) -> DecodeState:
         """Row ``i`` of ``prefix`` (chunk ``i``) into slot ``slots[i]`` of ``state`` (donated),
         its page-table row included; ``-1`` skips a row (a request that finished in
         prefill), and so does every chunk that is not its prompt's ``last``. Slots must be
         distinct."""
-        return self._insert(prefix.state, state, put(self.insert_rows(prefix, state.slots, slots)))
+        rows = put(self.insert_rows(prefix, state.slots, slots))
+        out = self._insert(prefix.state, dataclasses.replace(state, span=None), rows)
+        span = None if state.span is None or prefix.span is None else max(state.span, prefix.span)
+        return dataclasses.replace(out, span=span)
 
     @staticmethod
     def insert_rows(prefix: Prefill, n_slots: int, slots: Sequence[int]) -> np.ndarray:
@@ -474,14 +503,21 @@ class Engine:
         ``inference.stream_chunk_tokens``.
         """
         k = k or self.cfg.inference.stream_chunk_tokens
-        fn = self._generate.get(k)
+        stage = state.staged_len if self.staged else None
+        fn = self._generate.get((k, stage))
         if fn is None:
-            # An int8 pool is read page by page (the staged contiguous cache is float).
-            staged = self.tuning.staged_pages and self.kv_cache_dtype != "int8"
-            step = make_generate(self.graphdef, k, buckets=self.tuning.row_buckets, staged=staged)
+            step = make_generate(
+                self.graphdef,
+                k,
+                buckets=self.tuning.row_buckets,
+                staged=self.staged,
+                stage_len=stage,
+            )
             fn = self.track(ShapeKeyedJit(step, name="generate", donate_argnums=(1,)))
-            self._generate[k] = fn
-        return fn(self.weights(params), state)
+            self._generate[(k, stage)] = fn
+        # The span keys the executable beside k; it is not the executable's input.
+        out, tokens, done = fn(self.weights(params), dataclasses.replace(state, span=None))
+        return dataclasses.replace(out, span=state.span), tokens, done
 
 
 __all__ = ["Chunk", "Engine", "Prefill", "default_buckets", "put"]

@@ -23,6 +23,13 @@ Per row ``b``:
 * ``done[b]``: the row hit a stop token / EOS or its ``max_new_tokens`` budget; empty
   slots are done. Done rows are carried through the batched step but never advance, and
   write nothing: their pages may belong to another row by now.
+
+And one host fact, not an array: ``span``, a length that holds every page the table names
+(:func:`jaxlab.kernels.staged.stage_length`; None: not known, so ``max_len``). The
+engine sets it wherever the host hands it a table (``set_table``, ``insert``) and a staged
+decode call stages only that much of each row (:mod:`jaxlab.kernels.staged`). It is static
+pytree data: the engine keys its decode calls by it and hands every jitted function the
+state without it, so no other compile depends on it.
 """
 
 from __future__ import annotations
@@ -46,10 +53,16 @@ class DecodeState:
     sampling: SamplingArrays
     adapter: Array  # i32[slots]
     max_len: int = struct.field(pytree_node=False)
+    span: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def slots(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def staged_len(self) -> int:
+        """How much of each row a staged decode call stages: ``span``, else ``max_len``."""
+        return self.max_len if self.span is None else self.span
 
     @property
     def table(self) -> Array:

@@ -300,16 +300,22 @@ def decode_loop(
 
 
 def make_generate(
-    graphdef: nnx.GraphDef, k: int, *, buckets: bool, staged: bool = False
+    graphdef: nnx.GraphDef,
+    k: int,
+    *,
+    buckets: bool,
+    staged: bool = False,
+    stage_len: int | None = None,
 ) -> Callable[[Weights, DecodeState], tuple[DecodeState, Array, Array]]:
     """``generate(weights, state) -> (state, tokens i32[k, B], done bool[B])``: up to ``k``
     decode steps in one jitted loop. Jit it with the state donated (in-place pools).
 
     ``staged`` (:attr:`~jaxlab.runtime.tuning.Tuning.staged_pages`): the call stages every
-    row's pages into a contiguous cache, runs the contiguous cache's steps against it
-    (:func:`staged_step`), and writes the positions they wrote into the pages after the
-    loop, in one scatter per buffer. Otherwise every step reads and writes the pages
-    (:func:`decode_step`)."""
+    row's pages into a contiguous cache of ``stage_len`` positions (None: ``max_len``;
+    shorter only where the table's pages all lie inside it, ``DecodeState.span``), runs
+    the contiguous cache's steps against it (:func:`staged_step`), and writes the
+    positions they wrote into the pages after the loop, in one scatter per buffer.
+    Otherwise every step reads and writes the pages (:func:`decode_step`)."""
     if not staged:
         step = functools.partial(decode_step, graphdef, buckets=buckets)
 
@@ -323,7 +329,7 @@ def make_generate(
     def generate_staged(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
         model = nnx.merge(graphdef, weights.params)
         start = jnp.where(state.done, NO_SLOT, state.pos)  # rows that write this call
-        cache = model.stage_pages(state.cache, state.max_len)
+        cache = model.stage_pages(state.cache, stage_len or state.max_len)
         rows = dataclasses.replace(state, cache=Pages((), state.table))  # the loop's carry
         carry, out, done = decode_loop(stepped, weights, Staging(rows, cache), k)
         written = model.staged_writes(carry.cache, start, carry.state.pos, k)

@@ -19,6 +19,18 @@ contiguous cache of its rows. Every row is staged, busy or not: a ``lax.switch``
 counts around the whole loop, staging only the rows up to the last busy one, measured
 slower for a full batch than the copy it saves.
 
+**How long a cache is staged.** Not ``max_len``: the host knows the table, so it knows the
+last table column that names a page in any row, and the call stages only up to it,
+rounded up to a page bucket (:func:`stage_lengths`, :func:`stage_length`; the decode
+state carries it as ``DecodeState.span``). Every position a row has written or will write
+in the call has a page (the host's promise to ``set_table``), so it lies inside that
+length; the positions past it lie in every row's future. The length is a shape, so each
+one is its own compile, a few per decode chunk size. Why: the staged cache is the call's
+largest buffer, and XLA:CPU maps each call's temporary buffers afresh, so every byte of it
+is a page fault and a zeroed page before it is a copy; 64 rows of bench-small at
+``max_len`` 256 are 128 MiB a call, while the requests of a short chat hold a quarter of
+that.
+
 A contiguous kernel may offer two shortcuts, used when present: ``from_pages(k_pool,
 v_pool, table, max_len)`` builds its cache straight from the pool (None: not for this
 shape), and ``read(cache, positions)`` reads a few positions back without converting the
@@ -30,11 +42,28 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlab.kernels.base import NO_SLOT, AttentionKernel, LayerCache
-from jaxlab.kernels.paged import PagedLayer, gather
+from jaxlab.kernels.paged import PagedLayer, gather, page_buckets
 
 Array = jax.Array
+
+
+def stage_lengths(max_len: int, page_size: int, max_pages: int) -> tuple[int, ...]:
+    """The lengths a staged call may stage, shortest first: the page counts of
+    :func:`~jaxlab.kernels.paged.page_buckets` in tokens, the last one ``max_len``."""
+    return tuple(min(n * page_size, max_len) for n in page_buckets(max_pages, page_size))
+
+
+def stage_length(
+    table: np.ndarray, num_pages: int, page_size: int, lengths: tuple[int, ...]
+) -> int:
+    """The shortest of ``lengths`` (:func:`stage_lengths`) holding every page that the host
+    ``table`` ``i32[B, max_pages]`` names (``num_pages``: no page), in any row."""
+    columns = np.flatnonzero((np.asarray(table) < num_pages).any(axis=0))
+    need = 0 if columns.size == 0 else (int(columns[-1]) + 1) * page_size
+    return next((n for n in lengths if n >= need), lengths[-1])
 
 
 def stage(kernel: AttentionKernel, layer: PagedLayer, max_len: int) -> LayerCache:
@@ -86,4 +115,4 @@ def written(
     return k, v, jnp.where(wrote, positions, NO_SLOT)
 
 
-__all__ = ["read", "stage", "written"]
+__all__ = ["read", "stage", "stage_length", "stage_lengths", "written"]

@@ -56,6 +56,12 @@ class Engine(Protocol):
     @property
     def compiles(self) -> dict[str, int]: ...
 
+    @property
+    def stage_lengths(self) -> tuple[int, ...]:
+        """The lengths a ``generate`` may stage of each row, one executable each
+        (:mod:`jaxlab.kernels.staged`)."""
+        ...
+
     def pool_pages(self, slots: int, groups: int = 1) -> int: ...
 
     def init_decode_state(self, slots: int, num_pages: int | None = None) -> Any: ...
@@ -272,8 +278,10 @@ class SlotGroups(Sequence[SlotGroup]):
         the start of a prompt and, with ``extend``, for chunks past it (a prompt's later
         chunks, or the rest after a prefix-cache hit); ``insert`` per row count; one real
         pass (``set_table``, a ``generate`` of ``k`` steps, a free). Every group has the
-        same shapes, so the first group's calls compile for all. The groups start afresh,
-        and end with every page back in their pools.
+        same shapes, so the first group's calls compile for all; then a ``generate`` per
+        staged length (``engine.stage_lengths``: a chunk stages as much of each row as
+        the table spans), every row done. The groups start afresh, and end with every page
+        back in their pools.
 
         The shape calls write into two pages lent for the warm-up: ``prefix`` holds
         position 0, which the chunks past the start attend to, and ``scratch`` every other
@@ -320,6 +328,12 @@ class SlotGroups(Sequence[SlotGroup]):
         first.table.set(0, pages)
         tokens, _, _ = first.generate(k)
         first.free(0)
+        # Row 0, done, names the lent pages up to each staged length: every row is done,
+        # so each chunk compiles and returns at once.
+        for length in eng.stage_lengths:
+            yield
+            first.table.set(0, [pages[0]] * -(-length // ps))
+            tokens, _, _ = first.generate(k)
         first.pool.release("warm-up")
         first.table.clear(0)
         jax.block_until_ready((tokens, first.state))

@@ -246,6 +246,39 @@ def test_staged_decoding_equals_reading_the_pages_every_step():
     assert outs[0] == outs[1]
 
 
+def test_a_call_stages_the_span_of_the_table_and_decodes_as_the_pages_do():
+    """Requests admitted one by one, each reaching a longer staged length of main_engine
+    (64, 128, 192 of its 256 tokens), decode the same tokens staged, each call as long as
+    its table's span, as read from the pages every step. The span grows with each insert
+    (no ``set_table`` between the insert and the next chunk) and shrinks with the table
+    once the long request is gone."""
+    eng = main_engine()
+    assert eng.stage_lengths == (64, 128, 192, 256) and unstaged_engine().stage_lengths == (256,)
+    reqs = [
+        req([2, 9], greedy(40)),
+        req(list(range(1, 61)), sampled(4, 12)),
+        req([7] * 120, greedy(9)),
+    ]
+    outs, spans = [], []
+    for engine in (eng, unstaged_engine()):
+        host = Host(engine)
+        seen = [host.state.span]
+        out: dict[int, list[int]] = {}
+        for slot, r in enumerate(reqs):
+            out[slot] = [host.start(slot, r)]
+            seen.append(host.state.span)
+            host.step(out)
+        host.drain(out)
+        host.finish(2)
+        seen.append(host.state.span)
+        outs.append(out)
+        spans.append(seen)
+    assert outs[0] == outs[1]
+    # Pages for a request's prompt and budget: 2 + 40, 60 + 12 and 120 + 9 tokens.
+    assert spans[0] == [64, 64, 128, 192, 128]
+    assert spans[1] == [256] * 5
+
+
 # --------------------------------------------------------------------- the pool, the table
 
 

@@ -27,7 +27,7 @@ from jaxlab.kernels import paged as pg
 from jaxlab.kernels.masks import cache_mask
 from jaxlab.kernels.paged import page_buckets
 from jaxlab.kernels.reference import attention
-from jaxlab.kernels.staged import stage, written
+from jaxlab.kernels.staged import stage, stage_length, stage_lengths, written
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 #: ``paged_pallas`` runs in Pallas interpret mode here, a compile of seconds per shape: its
@@ -295,6 +295,23 @@ def test_staging_holds_every_rows_pages_in_the_contiguous_layout(name, max_len):
     np.testing.assert_array_equal(np.asarray(v), np.asarray(want_v)[:, :max_len])
     if name == "xla_cpu":
         assert (blocked.from_pages(pool.k, pool.v, layer.table, max_len) is None) == (max_len == 40)
+
+
+def test_a_staged_length_holds_the_last_page_any_row_names():
+    """The staged lengths are the page buckets in tokens, capped at ``max_len``; a table
+    stages the shortest that reaches past its last named page, whichever row names it,
+    and an empty table the shortest of all."""
+    assert stage_lengths(256, 16, 16) == (64, 128, 192, 256)
+    assert stage_lengths(250, 16, 16) == (64, 128, 192, 250)
+    assert stage_lengths(64, 16, 4) == (64,)
+    lengths, no_page = stage_lengths(256, 16, 16), 40
+    table = np.full((3, 16), no_page, np.int32)
+    assert stage_length(table, no_page, 16, lengths) == 64
+    for column, want in [(0, 64), (3, 64), (4, 128), (7, 128), (8, 192), (12, 256), (15, 256)]:
+        t = table.copy()
+        t[0, :2] = [5, 6]
+        t[2, column] = 7  # a later row, and a column past its earlier ones: still counted
+        assert stage_length(t, no_page, 16, lengths) == want, column
 
 
 @pytest.mark.parametrize("name", ["xla_cpu", "reference"])

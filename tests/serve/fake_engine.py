@@ -185,6 +185,10 @@ class FakeEngine:
     def compiles(self) -> dict[str, int]:
         return {verb: len(shapes) for verb, shapes in self.shapes.items() if shapes}
 
+    @property
+    def stage_lengths(self) -> tuple[int, ...]:
+        return (self.max_len,)  # nothing staged: one decode shape
+
     def limits(self, eos_id: int | None = None) -> Limits:
         return Limits(self.vocab_size, self.max_len, eos_id)
 

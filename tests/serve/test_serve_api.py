@@ -1021,7 +1021,9 @@ def test_zz_nothing_compiled_while_serving(server, engine):
     # One prefill per (kind, length bucket, row bucket): chunks from a prompt's start and
     # past it, of the one bucket that holds serve.prefill_chunk_tokens = 32, in calls of 1,
     # 2 and 4 rows (serve.prefill_batch = the 4 slots here); insert once per row bucket (a
-    # 1-row prefill also frees a slot); generate once, for a slot group's rows.
+    # 1-row prefill also frees a slot); generate for a slot group's rows once per staged
+    # length (the table's span, in page buckets of the 128-token cache).
     assert warm["prefill"] == 2 * 1 * 3 == 6
-    assert warm["insert"] == 3 and warm["generate"] == 1
+    assert engine.stage_lengths == (64, 96, 128)
+    assert warm["insert"] == 3 and warm["generate"] == 3
     assert engine.compiles == warm

@@ -135,6 +135,11 @@ class SpeculativeEngine:
         return self.target.max_len
 
     @property
+    def stage_lengths(self) -> tuple[int, ...]:
+        """A speculative call stages ``max_len`` of each row (see :meth:`init_decode_state`)."""
+        return (self.max_len,)
+
+    @property
     def page_size(self) -> int:
         return self.target.page_size
 
@@ -203,8 +208,9 @@ class SpeculativeEngine:
 
     def init_decode_state(self, slots: int, num_pages: int | None = None) -> SpecState:
         """The target's empty state, a zero token pool and zero draft pools of the same
-        pages, every row's counters at zero."""
-        target = self.target.init_decode_state(slots, num_pages)
+        pages, every row's counters at zero. The target state carries no ``span``: a
+        speculative call stages ``max_len`` (it would key every speculative executable)."""
+        target = dataclasses.replace(self.target.init_decode_state(slots, num_pages), span=None)
         n = target.cache.num_pages
         zeros = self._zeros.get(n)
         if zeros is None:
@@ -231,7 +237,8 @@ class SpeculativeEngine:
 
     def set_table(self, state: SpecState, table: np.ndarray) -> SpecState:
         """The page table onto the device (every pool of the state follows it)."""
-        return dataclasses.replace(state, target=self.target.set_table(state.target, table))
+        target = self.target.set_table(state.target, table)
+        return dataclasses.replace(state, target=dataclasses.replace(target, span=None))
 
     def prefill(
         self,
