@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, CliResult, run_cli
+from conftest import ROOT, CliResult, run_cli, with_xla_flags
 from sharded_runs import SETS, STEPS
 
 from jaxlab.config import load_config
@@ -29,7 +29,7 @@ PARAM_ATOL = 1e-4
 def run_meshes(out: Path, *meshes: str, devices: int, script: Path | None = None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXLAB_")}
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = with_xla_flags(f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.run(
         [sys.executable, str(script or HERE / "sharded_runs.py"), str(out), *meshes],
         capture_output=True,
@@ -102,7 +102,7 @@ def test_bad_meshes_name_the_dimension():
 
 @pytest.mark.slow
 def test_devices_shows_mesh_and_rejects_bad_ones():
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {"XLA_FLAGS": with_xla_flags("--xla_force_host_platform_device_count=8")}
     r = run_cli("devices", "--json", "-c", "tiny", "--set", "parallel.tensor=2", env=env)
     assert r.returncode == 0, r.stderr
     assert r.json()["mesh"]["axes"] == {"data": 4, "fsdp": 1, "tensor": 2}
