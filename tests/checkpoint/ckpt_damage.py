@@ -20,24 +20,30 @@ def array_files(step_dir: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
 
 
+# The three array damages below hit every array file: Orbax's writers may spread the arrays
+# over several data files, and a damage confined to the one holding the optimizer state
+# leaves the parameters intact, so a params-only restore would rightly read them.
+
+
 def delete_array_file(step_dir: Path) -> None:
-    array_files(step_dir)[0].unlink()
+    for path in array_files(step_dir):
+        path.unlink()
 
 
 def truncate_array_file(step_dir: Path) -> None:
-    path = array_files(step_dir)[0]
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
+    for path in array_files(step_dir):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
 
 
 def flip_array_bytes(step_dir: Path) -> None:
-    """XOR a few bytes in the middle of the largest array file: same size, other values."""
-    path = array_files(step_dir)[0]
-    data = bytearray(path.read_bytes())
-    mid = len(data) // 2
-    for i in range(mid, mid + 8):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
+    """XOR a few bytes in the middle of each array file: same size, other values."""
+    for path in array_files(step_dir):
+        data = bytearray(path.read_bytes())
+        mid = len(data) // 2
+        for i in range(mid, min(mid + 8, len(data))):
+            data[i] ^= 0xFF
+        path.write_bytes(bytes(data))
 
 
 def delete_commit_record(step_dir: Path) -> None:
