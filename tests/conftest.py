@@ -28,7 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     * XLA:CPU compiles with LLVM at level 0 (:data:`FAST_COMPILE_FLAG`). The suite compiles
       hundreds of small programs and runs each only a few times, so LLVM's optimizations
-      cost more than they save: the serving and engine test files ran in 20-26% less time.
+      cost more than they save (docs/limitations.md gives the suite's time both ways).
       XLA's own HLO passes are the same at every level, as are the library dots (YNNPACK,
       Eigen) that do most of the arithmetic, and every invariant compares two programs
       compiled alike. ``TESTS_XLA_FAST_COMPILE=0``, or an ``XLA_FLAGS`` of your own that

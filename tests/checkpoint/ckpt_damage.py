@@ -10,19 +10,17 @@ _METADATA_NAMES = {"_METADATA", "_sharding", "manifest.ocdbt", "_CHECKPOINT_META
 
 
 def array_files(step_dir: Path) -> list[Path]:
-    """The files that hold the state's array bytes, largest first."""
+    """The files that hold the state's array bytes. The damages below hit all of them:
+    Orbax may spread the arrays over several data files, and a damage confined to the one
+    holding the optimizer state leaves the parameters intact, so a params-only restore
+    would rightly read them."""
     files = [
         p
         for p in (step_dir / "state").rglob("*")
         if p.is_file() and p.name not in _METADATA_NAMES and "array_metadatas" not in p.parts
     ]
     assert files, f"no array files under {step_dir / 'state'}"
-    return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
-
-
-# The three array damages below hit every array file: Orbax's writers may spread the arrays
-# over several data files, and a damage confined to the one holding the optimizer state
-# leaves the parameters intact, so a params-only restore would rightly read them.
+    return files
 
 
 def delete_array_file(step_dir: Path) -> None:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, with_xla_flags
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -138,7 +138,7 @@ SHARDED = textwrap.dedent(
 def test_checksum_is_the_same_for_every_sharding():
     """Four simulated CPU devices (their own process): one value for every layout."""
     env = clean_env()
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = with_xla_flags("--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, cwd=ROOT
     )
