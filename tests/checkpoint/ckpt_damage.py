@@ -28,20 +28,26 @@ def delete_array_file(step_dir: Path) -> None:
         path.unlink()
 
 
-def truncate_array_file(step_dir: Path) -> None:
+def _rewrite_array_files(step_dir: Path, change: Callable[[bytes], bytes]) -> None:
     for path in array_files(step_dir):
-        data = path.read_bytes()
-        path.write_bytes(data[: len(data) // 2])
+        path.write_bytes(change(path.read_bytes()))
+
+
+def truncate_array_file(step_dir: Path) -> None:
+    _rewrite_array_files(step_dir, lambda data: data[: len(data) // 2])
+
+
+def _flip_middle(data: bytes) -> bytes:
+    out = bytearray(data)
+    mid = len(out) // 2
+    for i in range(mid, min(mid + 8, len(out))):
+        out[i] ^= 0xFF
+    return bytes(out)
 
 
 def flip_array_bytes(step_dir: Path) -> None:
     """XOR a few bytes in the middle of each array file: same size, other values."""
-    for path in array_files(step_dir):
-        data = bytearray(path.read_bytes())
-        mid = len(data) // 2
-        for i in range(mid, min(mid + 8, len(data))):
-            data[i] ^= 0xFF
-        path.write_bytes(bytes(data))
+    _rewrite_array_files(step_dir, _flip_middle)
 
 
 def delete_commit_record(step_dir: Path) -> None:
