@@ -20,9 +20,10 @@ against these verbs alone, and the cache-free baseline
 
 Every jitted function is a :class:`ShapeKeyedJit`, so compiles are explicit, timed and
 counted (:attr:`Engine.compiles`): for a decode state of a given pool, ``prefill`` once
-per (length bucket, row bucket, from-start or not), ``generate`` once per (k, slots, staged length: :mod:`jaxlab.kernels.staged`),
-``insert`` once per (prefix rows, slots), ``init_decode_state`` once per (slots, pages);
-``set_table`` never compiles.
+per (length bucket, row bucket, from-start or not) and its ``first_token`` (the head and
+sampling) once per row bucket, ``generate`` once per (k, slots, staged length:
+:mod:`jaxlab.kernels.staged`), ``insert`` once per (prefix rows, slots),
+``init_decode_state`` once per (slots, pages); ``set_table`` never compiles.
 
 **LoRA adapters** (``Engine(..., adapters=lora.stack(...))``): the engine holds the stacked
 adapter weights on the device, every row of the decode state carries an adapter id
@@ -52,6 +53,7 @@ from jaxlab.infer.state import DecodeState
 from jaxlab.infer.steps import (
     Adapters,
     Weights,
+    make_first_token,
     make_generate,
     make_insert,
     make_prefill,
@@ -162,19 +164,27 @@ class Engine:
         # Once per (length bucket, row bucket) of each kind, by design.
         self._prefill = {
             from_start: ShapeKeyedJit(
-                make_prefill(graphdef, self.max_len, from_start=from_start),
+                make_prefill(graphdef, from_start=from_start),
                 name="prefill",
                 donate_argnums=(1,),
                 warn_on_recompile=False,
             )
             for from_start in (True, False)
         }
+        # Once per row bucket: the head and sampling, apart from the prefill's lengths.
+        self._first_token = ShapeKeyedJit(
+            make_first_token(graphdef, self.max_len), name="first_token", warn_on_recompile=False
+        )
         self._insert = ShapeKeyedJit(
             make_insert(), name="insert", donate_argnums=(1,), warn_on_recompile=False
         )
         self._generate: dict[tuple[int, int | None], ShapeKeyedJit] = {}
         self._zero_pools: dict[int, ShapeKeyedJit] = {}
-        self._jitted: list[ShapeKeyedJit] = [*self._prefill.values(), self._insert]
+        self._jitted: list[ShapeKeyedJit] = [
+            *self._prefill.values(),
+            self._first_token,
+            self._insert,
+        ]
         self._naive: NaiveEngine | None = None
 
     @classmethod
@@ -450,15 +460,24 @@ class Engine:
             max_pages=self.max_pages,
             num_pages=state.cache.num_pages,
         )
-        pools, prefix = self._prefill[batch.from_start](
-            self.weights(params),
-            state.cache.pools,
-            put(batch.tokens),
+        weights = self.weights(params)
+        starts, lengths, table, adapters = (
             put(batch.starts),
             put(batch.lengths),
             put(batch.table),
-            put(batch.generated),
             put(batch.adapters),
+        )
+        pools, last = self._prefill[batch.from_start](
+            weights, state.cache.pools, put(batch.tokens), starts, lengths, table, adapters
+        )
+        prefix = self._first_token(
+            weights,
+            last,
+            starts,
+            lengths,
+            table,
+            put(batch.generated),
+            adapters,
             sampling_arrays(batch.samplings),
         )
         state = dataclasses.replace(state, cache=Pages(pools, state.cache.table))

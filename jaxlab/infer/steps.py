@@ -1,4 +1,5 @@
-"""The pure functions the engine jits: prefill, the decode step and loop, insert.
+"""The pure functions the engine jits: prefill and its first token, the decode step and
+loop, insert.
 
 Each ``make_*`` closes over the static pieces (the model's ``graphdef``, the cache
 capacity, the loop bound ``k``) and returns a function of array pytrees only, ready for
@@ -127,14 +128,17 @@ def advance_rows(
 # --------------------------------------------------------------------------- prefill
 
 PrefillFn = Callable[
-    [Weights, tuple[PagedCache, ...], Array, Array, Array, Array, Array, Array, SamplingArrays],
-    tuple[tuple[PagedCache, ...], DecodeState],
+    [Weights, tuple[PagedCache, ...], Array, Array, Array, Array, Array],
+    tuple[tuple[PagedCache, ...], Array],
+]
+FirstTokenFn = Callable[
+    [Weights, Array, Array, Array, Array, Array, Array, SamplingArrays], DecodeState
 ]
 
 
-def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> PrefillFn:
+def make_prefill(graphdef: nnx.GraphDef, *, from_start: bool) -> PrefillFn:
     """``prefill(weights, pools, tokens i32[R, T], starts i32[R], lengths i32[R], table
-    i32[R, max_pages], generated i32[R], adapter i32[R], sampling) -> (pools, prefix)``.
+    i32[R, max_pages], adapter i32[R]) -> (pools, last f32[R, d_model])``.
 
     Row ``r`` holds a chunk's tokens at positions ``starts[r] ..``, right-padded to the
     bucket length ``T``, real up to ``lengths[r]``; ``table[r]`` is its sequence's pages.
@@ -143,10 +147,14 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
     pages writes nothing). ``from_start`` (every chunk starts at 0): the model's sequence
     forward, attention over the chunk alone, exactly what a whole prompt costs without a
     cache; otherwise :meth:`~jaxlab.model.Transformer.extend` over the pages, which also
-    reads the positions before each chunk. The head runs at each row's last real position
-    only, and samples with key index ``generated[r]``. Row ``r`` runs with LoRA adapter
-    ``adapter[r]`` of ``weights.adapters`` (ignored without adapters). The prefix is a
-    decode state of ``R`` rows with no pools, holding ``table`` and ``adapter``.
+    reads the positions before each chunk. Row ``r`` runs with LoRA adapter ``adapter[r]``
+    of ``weights.adapters`` (ignored without adapters). ``last`` is each row's final-normed
+    hidden state at its last real position: what :func:`make_first_token` samples from.
+
+    The head and sampling are not in this program: they depend on the row count alone,
+    and this program is compiled once per (row count, length bucket, from-start or not),
+    so as one program they would be compiled again for every length (sampling is about
+    half of what XLA:CPU compiles for a prefill).
     """
 
     def prefill(
@@ -156,10 +164,8 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
         starts: Array,
         lengths: Array,
         table: Array,
-        generated: Array,
         adapter: Array,
-        sampling: SamplingArrays,
-    ) -> tuple[tuple[PagedCache, ...], DecodeState]:
+    ) -> tuple[tuple[PagedCache, ...], Array]:
         b, t = tokens.shape
         model = nnx.merge(graphdef, weights.params)
         offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -170,10 +176,33 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
             positions = starts[:, None] + offsets
             h, cache = model.extend(tokens, positions, Pages(pools, table), lora=lora)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return cache.pools, last
+
+    return prefill
+
+
+def make_first_token(graphdef: nnx.GraphDef, max_len: int) -> FirstTokenFn:
+    """``first_token(weights, last f32[R, d_model], starts i32[R], lengths i32[R], table
+    i32[R, max_pages], generated i32[R], adapter i32[R], sampling) -> prefix``: the head
+    over each row's ``last`` hidden state (:func:`make_prefill`) and the row's next token,
+    sampled with key index ``generated[r]``. The prefix is a decode state of ``R`` rows
+    with no pools, at position ``starts + lengths``, holding ``table`` and ``adapter``."""
+
+    def first_token(
+        weights: Weights,
+        last: Array,
+        starts: Array,
+        lengths: Array,
+        table: Array,
+        generated: Array,
+        adapter: Array,
+        sampling: SamplingArrays,
+    ) -> DecodeState:
+        model = nnx.merge(graphdef, weights.params)
         tok = sample(model.logits(last, weights.head), sampling, generated)
-        every = jnp.ones((b,), jnp.bool_)
+        every = jnp.ones(tok.shape, jnp.bool_)
         generated, done = advance_rows(tok, every, generated, ~every, sampling)
-        prefix = DecodeState(
+        return DecodeState(
             cache=Pages((), table),
             tokens=tok,
             pos=starts + lengths,
@@ -183,9 +212,8 @@ def make_prefill(graphdef: nnx.GraphDef, max_len: int, *, from_start: bool) -> P
             adapter=adapter,
             max_len=max_len,
         )
-        return cache.pools, prefix
 
-    return prefill
+    return first_token
 
 
 # ---------------------------------------------------------------------------- decode
@@ -368,6 +396,7 @@ def make_insert() -> Callable[[DecodeState, DecodeState, Array], DecodeState]:
 __all__ = [
     "NO_TOKEN",
     "Adapters",
+    "FirstTokenFn",
     "PrefillFn",
     "Staging",
     "Weights",
@@ -375,6 +404,7 @@ __all__ = [
     "decode_loop",
     "decode_step",
     "lora_for",
+    "make_first_token",
     "make_generate",
     "make_insert",
     "make_prefill",

@@ -180,17 +180,19 @@ def test_bucketing_never_changes_outputs(prompt):
 def test_generate_compiles_once_and_prefill_once_per_bucket():
     """Batch-1 decoding: one executable per staged length (the table's span), whatever the
     steps and positions, so a second request of the same span compiles nothing; prefill:
-    at most one per bucket across many prompt lengths (signatures hold the shapes)."""
+    at most one per bucket across many prompt lengths (signatures hold the shapes), and
+    its first token (head and sampling) once per row count, whatever the lengths."""
     eng = main_engine()
     gen = generate(eng, [req([1, 2, 3], greedy(200))])
     assert gen[0].generated_tokens == 200
     compiled = eng.compiles["generate"]
     generate(eng, [req([5, 4], greedy(199))])  # other tokens and steps, the same span (256)
     assert eng.compiles["generate"] == compiled
-    before = eng.compiles["prefill"]
+    before, heads = eng.compiles["prefill"], eng.compiles["first_token"]
     used = {generate(eng, [req(list(range(n)), greedy(2))]).bucket for n in range(1, 40, 2)}
     assert used == {8, 16, 32, 64}
     assert eng.compiles["prefill"] - before <= len(used) - 1  # bucket 8 ran already
+    assert eng.compiles["first_token"] == heads  # one row every time: compiled already
 
     # (k = max_len, 1 slot): one executable per staged length, whatever the steps and lengths
     batch1 = [t for t in eng.compile_log if t.name == "generate" and "bool[1]" in t.signature]
