@@ -46,7 +46,13 @@ def test_train_and_generate_through_the_library(trained):
     assert lines[0].startswith("trained 150 steps: loss ")
     assert len(lines) == 4 and lines[1].startswith("'") and lines[2].startswith("'")
     compiles = ast.literal_eval(lines[3].removeprefix("compiles: "))
-    assert compiles == {"prefill": 1, "insert": 1, "init_decode_state": 1, "generate": 1}
+    assert compiles == {
+        "prefill": 1,
+        "first_token": 1,
+        "insert": 1,
+        "init_decode_state": 1,
+        "generate": 1,
+    }
     assert (run_dir / "checkpoints" / "150").is_dir()
     assert (run_dir / "metrics.jsonl").is_file()
 
