@@ -34,6 +34,13 @@ def _max_len(cfg: JaxlabConfig) -> int:
     return cfg.inference.max_len or cfg.model.max_seq_len
 
 
+def loop_case(engine: Any) -> dict[str, int]:
+    """``decode_unroll`` where the config sets the decode loop's steps per trip; nothing when
+    the platform chooses (``runtime/tuning.py``), so those records keep their cases."""
+    given = engine.cfg.inference.decode_unroll
+    return {} if given is None else {"decode_unroll": given}
+
+
 def int8_case(engine: Any) -> dict[str, str]:
     """What an int8 engine's records add to their case (``inference.weights``,
     ``activations``, ``kv_cache_dtype``); nothing for a float engine, so float records keep
@@ -71,6 +78,7 @@ def generation_record(
         "kv_cache": kv_cache,
         **(extra or {}),
         **int8_case(engine),
+        **loop_case(engine),
     }
     ctx.status(f"generate {case}")
     try:

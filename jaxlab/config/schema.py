@@ -468,6 +468,16 @@ class InferenceConfig(Section):
     stream_chunk_tokens: int = Field(
         default=8, ge=1, description="Tokens decoded per host round trip."
     )
+    decode_unroll: int | None = Field(
+        default=None,
+        ge=1,
+        le=8,
+        description=(
+            "Decode steps per trip of the jitted decode loop (1: one). Unset: the platform's "
+            "choice (runtime/tuning.py: two on a TPU for small batches, where XLA then "
+            "prefetches a step's first weights behind the step before)."
+        ),
+    )
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     page_size: int = Field(default=16, ge=1, le=4096, description="Tokens per KV-cache page.")
     num_pages: int | None = Field(

@@ -178,7 +178,7 @@ class Engine:
         self._insert = ShapeKeyedJit(
             make_insert(), name="insert", donate_argnums=(1,), warn_on_recompile=False
         )
-        self._generate: dict[tuple[int, int | None], ShapeKeyedJit] = {}
+        self._generate: dict[tuple[int, int | None, int], ShapeKeyedJit] = {}
         self._zero_pools: dict[int, ShapeKeyedJit] = {}
         self._jitted: list[ShapeKeyedJit] = [
             *self._prefill.values(),
@@ -349,6 +349,15 @@ class Engine:
         """Count ``fn``'s compiles with the engine's (for engines built on this one)."""
         self._jitted.append(fn)
         return fn
+
+    def decode_unroll(self, slots: int) -> int:
+        """Decode steps per loop trip for a state of ``slots`` rows: ``inference.decode_unroll``,
+        else two where the tuning unrolls that many rows
+        (:attr:`~jaxlab.runtime.tuning.Tuning.unroll_decode_rows`), else one."""
+        given = self.cfg.inference.decode_unroll
+        if given is not None:
+            return given
+        return 2 if slots <= self.tuning.unroll_decode_rows else 1
 
     @property
     def staged(self) -> bool:
@@ -523,7 +532,8 @@ class Engine:
         """
         k = k or self.cfg.inference.stream_chunk_tokens
         stage = state.staged_len if self.staged else None
-        fn = self._generate.get((k, stage))
+        unroll = self.decode_unroll(state.slots)
+        fn = self._generate.get((k, stage, unroll))
         if fn is None:
             step = make_generate(
                 self.graphdef,
@@ -531,9 +541,10 @@ class Engine:
                 buckets=self.tuning.row_buckets,
                 staged=self.staged,
                 stage_len=stage,
+                unroll=unroll,
             )
             fn = self.track(ShapeKeyedJit(step, name="generate", donate_argnums=(1,)))
-            self._generate[(k, stage)] = fn
+            self._generate[(k, stage, unroll)] = fn
         # The span keys the executable beside k; it is not the executable's input.
         out, tokens, done = fn(self.weights(params), dataclasses.replace(state, span=None))
         return dataclasses.replace(out, span=state.span), tokens, done

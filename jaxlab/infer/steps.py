@@ -301,8 +301,15 @@ def staged_step(
     return Staging(new, cache), logits, emitted
 
 
+def _with_done(state: S, done: Array) -> S:
+    """``state`` with its ``done`` flags replaced (a :class:`Staging` carry's rows')."""
+    if isinstance(state, Staging):
+        return Staging(dataclasses.replace(state.state, done=done), state.cache)  # type: ignore[return-value]
+    return dataclasses.replace(state, done=done)  # type: ignore[type-var]
+
+
 def decode_loop(
-    step: Callable[[P, S], tuple[S, Array, Array]], params: P, state: S, k: int
+    step: Callable[[P, S], tuple[S, Array, Array]], params: P, state: S, k: int, unroll: int = 1
 ) -> tuple[S, Array, Array]:
     """Run ``step`` up to ``k`` times inside ``lax.while_loop``; stop when every row is done.
 
@@ -310,6 +317,11 @@ def decode_loop(
     done bool[B])``. ``done`` is a separate output buffer (not the state's), so it stays
     valid after the state is donated to the next call: a caller may dispatch chunk
     ``i + 1`` before reading chunk ``i``'s flags.
+
+    ``unroll`` steps run per loop trip (:attr:`~jaxlab.runtime.tuning.Tuning.unroll_decode_rows`).
+    A step past ``k`` in the last trip runs with every row marked done, so it advances and
+    writes nothing, and emits nothing; the rows' own flags are put back after it. The
+    tokens are those of ``unroll=1``.
     """
     b = state.done.shape[0]  # type: ignore[attr-defined]
     out = jnp.full((k, b), NO_TOKEN, jnp.int32)
@@ -321,7 +333,18 @@ def decode_loop(
     def body(carry: tuple[Array, S, Array]) -> tuple[Array, S, Array]:
         i, st, buf = carry
         st, _, emitted = step(params, st)
-        return i + 1, st, jax.lax.dynamic_update_index_in_dim(buf, emitted, i, axis=0)
+        buf = jax.lax.dynamic_update_index_in_dim(buf, emitted, i, axis=0)
+        for j in range(1, unroll):
+            past = i + j >= k  # this trip's step j lies past the loop's k: a no-op
+            done = st.done  # type: ignore[attr-defined]
+            after, _, emitted = step(params, _with_done(st, done | past))
+            st = _with_done(after, jnp.where(past, done, after.done))  # type: ignore[attr-defined]
+            at = jnp.minimum(i + j, k - 1)
+            kept = jax.lax.dynamic_index_in_dim(buf, at, axis=0, keepdims=False)
+            buf = jax.lax.dynamic_update_index_in_dim(
+                buf, jnp.where(past, kept, emitted), at, axis=0
+            )
+        return i + unroll, st, buf
 
     _, state, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out))
     return state, out, state.done  # type: ignore[attr-defined]
@@ -334,6 +357,7 @@ def make_generate(
     buckets: bool,
     staged: bool = False,
     stage_len: int | None = None,
+    unroll: int = 1,
 ) -> Callable[[Weights, DecodeState], tuple[DecodeState, Array, Array]]:
     """``generate(weights, state) -> (state, tokens i32[k, B], done bool[B])``: up to ``k``
     decode steps in one jitted loop. Jit it with the state donated (in-place pools).
@@ -343,12 +367,13 @@ def make_generate(
     shorter only where the table's pages all lie inside it, ``DecodeState.span``), runs
     the contiguous cache's steps against it (:func:`staged_step`), and writes the
     positions they wrote into the pages after the loop, in one scatter per buffer.
-    Otherwise every step reads and writes the pages (:func:`decode_step`)."""
+    Otherwise every step reads and writes the pages (:func:`decode_step`). ``unroll``:
+    steps per loop trip (:func:`decode_loop`)."""
     if not staged:
         step = functools.partial(decode_step, graphdef, buckets=buckets)
 
         def generate(weights: Weights, state: DecodeState) -> tuple[DecodeState, Array, Array]:
-            return decode_loop(step, weights, state, k)
+            return decode_loop(step, weights, state, k, unroll)
 
         return generate
 
@@ -359,7 +384,7 @@ def make_generate(
         start = jnp.where(state.done, NO_SLOT, state.pos)  # rows that write this call
         cache = model.stage_pages(state.cache, stage_len or state.max_len)
         rows = dataclasses.replace(state, cache=Pages((), state.table))  # the loop's carry
-        carry, out, done = decode_loop(stepped, weights, Staging(rows, cache), k)
+        carry, out, done = decode_loop(stepped, weights, Staging(rows, cache), k, unroll)
         written = model.staged_writes(carry.cache, start, carry.state.pos, k)
         pages = model.write_pages(state.cache, *written)  # the call's only pool write
         return dataclasses.replace(carry.state, cache=pages), out, done

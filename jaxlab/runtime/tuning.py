@@ -18,6 +18,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+#: The most slots a TPU decode loop unrolls: measured faster at 1, 4 and 8 slots, slower
+#: at 32 (docs/performance.md, "Two decode steps per loop trip").
+UNROLL_ROWS_TPU = 8
+
 
 @dataclass(frozen=True)
 class Tuning:
@@ -38,17 +42,26 @@ class Tuning:
     #: (:mod:`jaxlab.kernels.staged`): XLA:CPU copies the pages a step reads before every
     #: step's dots otherwise. Costs a contiguous cache's memory while a call runs.
     staged_pages: bool = False
+    #: Decode loops over at most this many slots run two steps per loop trip
+    #: (``inference.decode_unroll`` overrides it). XLA prefetches weights into fast memory
+    #: within a loop body, not across its trips, so a one-step body starts every step
+    #: waiting for its first weights; a two-step body hides the second step's behind the
+    #: first. A TPU's small-batch step is that weight stream; at 32 rows the longer body
+    #: was slower (not profiled).
+    unroll_decode_rows: int = 0
 
 
 #: The reference forms: accelerators compile them well.
 REFERENCE = Tuning()
 #: XLA:CPU.
 CPU = Tuning(two_stage_reductions=True, transposed_head=True, row_buckets=True, staged_pages=True)
+#: A TPU: the reference forms, and the small-batch decode loop unrolled.
+TPU = Tuning(unroll_decode_rows=UNROLL_ROWS_TPU)
 
 
 def tuning_for(platform: str) -> Tuning:
     """The tuning of a JAX platform name (``"cpu"``, ``"tpu"``, ``"gpu"``, ...)."""
-    return CPU if platform == "cpu" else REFERENCE
+    return {"cpu": CPU, "tpu": TPU}.get(platform, REFERENCE)
 
 
 @functools.cache
@@ -59,4 +72,4 @@ def current() -> Tuning:
     return tuning_for(jax.default_backend())
 
 
-__all__ = ["CPU", "REFERENCE", "Tuning", "current", "tuning_for"]
+__all__ = ["CPU", "REFERENCE", "TPU", "Tuning", "current", "tuning_for"]

@@ -150,3 +150,19 @@ def test_profile_and_flags_are_recorded(knobs_run):
         assert list(trace.glob("plugins/profile/*/perfetto_trace.json.gz")), r.metric
     meta = json.loads((run_dir / "run.json").read_text())
     assert "--xla_force_host_platform_device_count=1" in meta["xla_flags"].split()
+
+
+def test_decode_records_name_the_steps_per_loop_trip_only_where_the_config_sets_them():
+    """A record of a forced ``inference.decode_unroll`` says so in its case; a record of the
+    platform's choice keeps the case earlier runs have."""
+    from types import SimpleNamespace
+
+    from jaxlab.bench.infer_suites import loop_case
+
+    for given, case in ((None, {}), (1, {"decode_unroll": 1}), (2, {"decode_unroll": 2})):
+        cfg = load_config(
+            "tiny", [] if given is None else [f"inference.decode_unroll={given}"], environ={}
+        )
+        assert loop_case(SimpleNamespace(cfg=cfg)) == case
+    with pytest.raises(ConfigError, match=r"inference\.decode_unroll"):
+        load_config("tiny", ["inference.decode_unroll=0"], environ={})

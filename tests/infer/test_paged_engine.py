@@ -33,6 +33,7 @@ from tiny_engines import (
 from jaxlab.config import InferenceConfig
 from jaxlab.infer import Chunk, Engine, SamplingParams, generate
 from jaxlab.infer.chunks import row_bucket
+from jaxlab.runtime import tuning
 
 SETTINGS = settings(max_examples=6, deadline=None, derandomize=True)
 #: Every prefill of these tests pads to one length bucket: the compiles then depend on the
@@ -277,6 +278,64 @@ def test_a_call_stages_the_span_of_the_table_and_decodes_as_the_pages_do():
     # Pages for a request's prompt and budget: 2 + 40, 60 + 12 and 120 + 9 tokens.
     assert spans[0] == [64, 64, 128, 192, 128]
     assert spans[1] == [256] * 5
+
+
+# ------------------------------------------------------------- steps per loop trip
+
+
+@functools.cache
+def unroll_engine() -> Engine:
+    """main_engine's model in an engine of its own: the tests below change its
+    ``inference.decode_unroll`` and its tuning's staging between runs."""
+    return make_engine(main_engine().cfg)
+
+
+def set_unroll(eng: Engine, unroll: int | None, *, staged: bool) -> None:
+    inf = eng.cfg.inference.model_copy(update={"decode_unroll": unroll})
+    eng.cfg = eng.cfg.model_copy(update={"inference": inf})
+    eng.tuning = dataclasses.replace(eng.tuning, staged_pages=staged)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "pages"])
+def test_an_unrolled_decode_loop_gives_the_tokens_of_one_step_per_trip(staged):
+    """Two and three steps per trip of the decode loop (chunks of 4: a trip of three
+    ends past the chunk, so its last steps must do nothing) give the tokens of one: greedy
+    and seeded rows that finish inside a trip, and a slot refilled mid-flight."""
+    eng = unroll_engine()
+    outs = []
+    for unroll in (1, 2, 3):
+        set_unroll(eng, unroll, staged=staged)
+        assert eng.decode_unroll(3) == unroll and eng.staged == staged
+        reqs = [req([3, 1, 4], greedy(9)), req([2] * 20, sampled(5, 7)), req([8], greedy(3))]
+        host = Host(eng)
+        out = {s: [host.start(s, r, bucket=BUCKET)] for s, r in enumerate(reqs)}
+        while not host.step(out)[2]:
+            pass
+        host.finish(2)
+        finished = out.pop(2)
+        out[2] = [host.start(2, req([5, 6, 7, 8], sampled(9, 6)), bucket=BUCKET)]
+        host.drain(out)
+        outs.append((out, finished))
+    assert outs[0] == outs[1] == outs[2]
+    assert [len(t) for t in outs[0][0].values()] == [9, 7, 6] and len(outs[0][1]) == 3
+
+
+def test_the_platform_unrolls_small_batches_unless_the_config_says():
+    """Unset, a state of up to ``Tuning.unroll_decode_rows`` slots decodes two steps per
+    trip (a TPU's 8; none on the CPU), a larger one one; ``inference.decode_unroll`` wins."""
+    assert tuning.tuning_for("tpu").unroll_decode_rows == 8
+    assert tuning.tuning_for("cpu").unroll_decode_rows == 0
+    assert tuning.tuning_for("gpu").unroll_decode_rows == 0
+    eng = unroll_engine()
+    try:
+        set_unroll(eng, None, staged=True)
+        assert [eng.decode_unroll(n) for n in (1, 64)] == [1, 1]  # the CPU's tuning
+        eng.tuning = dataclasses.replace(eng.tuning, unroll_decode_rows=8)
+        assert [eng.decode_unroll(n) for n in (1, 8, 9, 32)] == [2, 2, 1, 1]
+        set_unroll(eng, 3, staged=True)
+        assert [eng.decode_unroll(n) for n in (1, 32)] == [3, 3]
+    finally:
+        eng.tuning = dataclasses.replace(eng.tuning, unroll_decode_rows=0)
 
 
 # --------------------------------------------------------------------- the pool, the table
