@@ -29,6 +29,10 @@
 #   smoke    tpu_kernel_smoke.py alone: whether the Pallas paged decode kernel and the decode
 #            write lower and are right on the chip, before a decode phase measures them
 #            (`smoke decode` in one call). About 1-2 min.
+#   attention  the attention kernels alone at the tpu-small shape (batch 16 x 1,024, 12 heads
+#            of 64, bf16, packed segments and none), forward and forward + backward:
+#            jaxlab's reference, xla and pallas (at its tile sweep) against jax's own
+#            flash_attention and splash_attention. About 3-4 min.
 #   flags    the tpu-small preset's train step alone (profiled: its trace comes back), then
 #            under XLA flag sets, one process each (libtpu reads them once): the scoped VMEM
 #            limit at 64 and 96 MiB. About 3-4 min.
@@ -159,6 +163,10 @@ phase_medium() {
         "model.attention_impl=pallas train.remat=none"
 }
 
+phase_attention() {
+    jx bench attention --config "$SMALL" --set "runtime.platform=$PLATFORM" --out "$DIR" "${ARGS[@]}"
+}
+
 phase_flags() {
     # The preset alone first, in this call: the flag runs' baseline (and a train step's trace).
     KNOBS_EXTRA=--profile knobs "$SMALL" ""
@@ -280,11 +288,12 @@ for phase in "$@"; do
     medium) phase_medium ;;
     kernels) phase_kernels ;;
     smoke) phase_smoke ;;
+    attention) phase_attention ;;
     flags) phase_flags ;;
     serve) phase_serve "$PLATFORM" ;;
     cpu-serve) phase_serve cpu ;;
     *)
-        say "unknown phase $phase (small, decode, medium, kernels, smoke, serve, flags, cpu-serve)"
+        say "unknown phase $phase (small, decode, medium, kernels, smoke, attention, serve, flags, cpu-serve)"
         exit 2
         ;;
     esac
