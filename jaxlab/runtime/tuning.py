@@ -2,9 +2,9 @@
 
 Each switch here selects between two forms of the *same* function: the plain form, which is
 the readable reference, and a form that XLA compiles better on one platform. A test checks
-every tuned form against its reference (``tests/kernels``), so a switch can change speed,
-never results beyond float summation order. The measurements behind each choice are in
-``docs/performance.md``.
+every tuned form against its reference (``tests/kernels``, ``tests/infer``), so a switch can
+change speed, never results beyond float summation order. The measurements behind each
+choice are in ``docs/performance.md``.
 
 What this module must not do: hold numerics policy (dtypes live in the config) or choose the
 attention kernel (``jaxlab.kernels.resolve`` does, by the same platform). Vendor-specific
