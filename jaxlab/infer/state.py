@@ -34,6 +34,8 @@ state without it, so no other compile depends on it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from flax import struct
 
@@ -68,6 +70,10 @@ class DecodeState:
     def table(self) -> Array:
         """The page table ``i32[slots, max_pages]``."""
         return self.cache.table
+
+    def with_done(self, done: Array) -> DecodeState:
+        """This state with its ``done`` flags replaced (the decode loop's carries share it)."""
+        return dataclasses.replace(self, done=done)
 
 
 __all__ = ["DecodeState"]

@@ -287,6 +287,9 @@ class Staging:
     def done(self) -> Array:
         return self.state.done
 
+    def with_done(self, done: Array) -> Staging:
+        return Staging(self.state.with_done(done), self.cache)
+
 
 def staged_step(
     graphdef: nnx.GraphDef, weights: Weights, carry: Staging, *, buckets: bool
@@ -301,19 +304,13 @@ def staged_step(
     return Staging(new, cache), logits, emitted
 
 
-def _with_done(state: S, done: Array) -> S:
-    """``state`` with its ``done`` flags replaced (a :class:`Staging` carry's rows')."""
-    if isinstance(state, Staging):
-        return Staging(dataclasses.replace(state.state, done=done), state.cache)  # type: ignore[return-value]
-    return dataclasses.replace(state, done=done)  # type: ignore[type-var]
-
-
 def decode_loop(
     step: Callable[[P, S], tuple[S, Array, Array]], params: P, state: S, k: int, unroll: int = 1
 ) -> tuple[S, Array, Array]:
     """Run ``step`` up to ``k`` times inside ``lax.while_loop``; stop when every row is done.
 
-    ``state`` must have a ``done: bool[B]`` field. Returns ``(state, tokens i32[k, B],
+    ``state`` must have a ``done: bool[B]`` field and, for ``unroll > 1``, a
+    ``with_done(done)`` method (:class:`~jaxlab.infer.state.DecodeState`, :class:`Staging`). Returns ``(state, tokens i32[k, B],
     done bool[B])``. ``done`` is a separate output buffer (not the state's), so it stays
     valid after the state is donated to the next call: a caller may dispatch chunk
     ``i + 1`` before reading chunk ``i``'s flags.
@@ -337,8 +334,8 @@ def decode_loop(
         for j in range(1, unroll):
             past = i + j >= k  # this trip's step j lies past the loop's k: a no-op
             done = st.done  # type: ignore[attr-defined]
-            after, _, emitted = step(params, _with_done(st, done | past))
-            st = _with_done(after, jnp.where(past, done, after.done))  # type: ignore[attr-defined]
+            after, _, emitted = step(params, st.with_done(done | past))  # type: ignore[attr-defined]
+            st = after.with_done(jnp.where(past, done, after.done))  # type: ignore[attr-defined]
             at = jnp.minimum(i + j, k - 1)
             kept = jax.lax.dynamic_index_in_dim(buf, at, axis=0, keepdims=False)
             buf = jax.lax.dynamic_update_index_in_dim(

@@ -217,6 +217,27 @@ def test_a_done_row_never_writes_into_pages_now_held_by_another_request():
 # ------------------------------------------------------------- staged or read per step
 
 
+def refilled_mid_flight(
+    eng: Engine, free_pages: int | None = None
+) -> tuple[dict[int, list[int]], list[int]]:
+    """Three requests (greedy and seeded, ragged) through a host loop of decode chunks; the
+    third, finished first, is replaced mid-flight by a fourth in its slot (its freed pages
+    reused). ``free_pages``: hold all of the pool but these. Returns the tokens of the
+    slots at the end and those of the finished request."""
+    reqs = [req([3, 1, 4], greedy(9)), req([2] * 20, sampled(5, 7)), req([8], greedy(3))]
+    host = Host(eng)
+    if free_pages is not None:
+        host.hold_all_but(free_pages)
+    out = {s: [host.start(s, r, bucket=BUCKET)] for s, r in enumerate(reqs)}
+    while not host.step(out)[2]:
+        pass
+    host.finish(2)
+    finished = out.pop(2)
+    out[2] = [host.start(2, req([5, 6, 7, 8], sampled(9, 6)), bucket=BUCKET)]
+    host.drain(out)
+    return out, finished
+
+
 @functools.cache
 def unstaged_engine() -> Engine:
     """main_engine's model with every decode step reading the pages (the accelerators'
@@ -233,17 +254,7 @@ def test_staged_decoding_equals_reading_the_pages_every_step():
     outs = []
     for eng in (main_engine(), unstaged_engine()):
         assert eng.tuning.staged_pages == (eng is main_engine())
-        reqs = [req([3, 1, 4], greedy(9)), req([2] * 20, sampled(5, 7)), req([8], greedy(3))]
-        host = Host(eng)
-        host.hold_all_but(6)
-        out = {s: [host.start(s, r, bucket=BUCKET)] for s, r in enumerate(reqs)}
-        while not host.step(out)[2]:
-            pass
-        host.finish(2)
-        finished = out.pop(2)
-        out[2] = [host.start(2, req([5, 6, 7, 8], sampled(9, 6)), bucket=BUCKET)]
-        host.drain(out)
-        outs.append((out, finished))
+        outs.append(refilled_mid_flight(eng, free_pages=6))
     assert outs[0] == outs[1]
 
 
@@ -306,16 +317,7 @@ def test_an_unrolled_decode_loop_gives_the_tokens_of_one_step_per_trip(staged):
     for unroll in (1, 2, 3):
         set_unroll(eng, unroll, staged=staged)
         assert eng.decode_unroll(3) == unroll and eng.staged == staged
-        reqs = [req([3, 1, 4], greedy(9)), req([2] * 20, sampled(5, 7)), req([8], greedy(3))]
-        host = Host(eng)
-        out = {s: [host.start(s, r, bucket=BUCKET)] for s, r in enumerate(reqs)}
-        while not host.step(out)[2]:
-            pass
-        host.finish(2)
-        finished = out.pop(2)
-        out[2] = [host.start(2, req([5, 6, 7, 8], sampled(9, 6)), bucket=BUCKET)]
-        host.drain(out)
-        outs.append((out, finished))
+        outs.append(refilled_mid_flight(eng))
     assert outs[0] == outs[1] == outs[2]
     assert [len(t) for t in outs[0][0].values()] == [9, 7, 6] and len(outs[0][1]) == 3
 
