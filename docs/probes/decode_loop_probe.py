@@ -24,6 +24,7 @@ import time
 
 import jax
 
+from jaxlab.bench.infer_suites import step_bytes
 from jaxlab.config.loader import load_config, with_overrides
 from jaxlab.infer.engine import Engine
 from jaxlab.infer.measure import measure_generate
@@ -82,10 +83,8 @@ def main() -> None:
             for b in batches:
                 t1 = time.perf_counter()
                 r = measure_generate(engine, b, prompt, new, repeats=7, warmup=1)
-                steps_n = new - 1
-                step = r["decode_s"] / steps_n
-                per_pos = engine.cache_bytes_per_slot / engine.max_len
-                total = engine.step_weight_bytes + b * (prompt + new / 2) * per_pos
+                step = r["decode_s"] / (new - 1)
+                total = sum(step_bytes(engine, b, prompt, new))  # what the decode suite counts
                 row[f"b{b}_step_ms"] = round(step * 1e3, 4)
                 row[f"b{b}_gbps"] = round(total / step / 1e9, 1)
                 row[f"b{b}_s"] = round(time.perf_counter() - t1, 1)

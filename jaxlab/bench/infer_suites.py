@@ -120,26 +120,31 @@ def generation_record(
     return ctx.record("generate_s", "s", r["wall_s"], case=case, derived=derived)
 
 
+def step_bytes(engine: Any, batch: int, prompt_len: int, new_tokens: int) -> tuple[int, float]:
+    """``(weights, kv)``: the bytes a decode step of a ``generate`` call must read.
+
+    A step reads the step's weights once whatever the batch (``Engine.step_weight_bytes``)
+    and, per row, the K and V of every position it attends to: the prompt and the tokens
+    before it, ``prompt_len + new_tokens / 2`` positions on average over the call's
+    ``new_tokens - 1`` decode steps.
+    """
+    per_position = engine.cache_bytes_per_slot / engine.max_len
+    return engine.step_weight_bytes, batch * (prompt_len + new_tokens / 2) * per_position
+
+
 def decode_bytes(
     ctx: BenchContext, engine: Any, batch: int, prompt_len: int, new_tokens: int, decode_s: float
 ) -> dict[str, Any]:
     """Bytes a decode step reads and the rate it reads them at (docs/benchmarking.md).
 
-    A step reads the step's weights once whatever the batch (``Engine.step_weight_bytes``)
-    and, per row, the K and V of every position it attends to: the prompt and the tokens
-    before it, ``prompt_len + new_tokens / 2`` positions on average over the call's
-    ``new_tokens - 1`` decode steps. ``bytes_per_step`` is their sum, the least a step
-    must read, as model FLOPs are the least it must compute. The measured step is
-    ``decode_s`` (one jitted loop of every decode step, timed to its tokens on the host)
-    over its steps. ``kv_cache_bytes`` is the whole cache the batch holds (``max_len``
-    positions a row), which MaxText's "AR memory bandwidth" counts instead.
+    ``bytes_per_step`` is :func:`step_bytes`' sum, the least a step must read, as model
+    FLOPs are the least it must compute. The measured step is ``decode_s`` (one jitted loop
+    of every decode step, timed to its tokens on the host) over its ``new_tokens - 1``
+    steps. ``kv_cache_bytes`` is the whole cache the batch holds (``max_len`` positions a
+    row), which MaxText's "AR memory bandwidth" counts instead.
     """
-    steps = new_tokens - 1
-    step_s = decode_s / steps
-    per_position = engine.cache_bytes_per_slot / engine.max_len
-    visible = prompt_len + new_tokens / 2
-    weights = engine.step_weight_bytes
-    kv = batch * visible * per_position
+    step_s = decode_s / (new_tokens - 1)
+    weights, kv = step_bytes(engine, batch, prompt_len, new_tokens)
     total = weights + kv
     return {
         "step_s": step_s,

@@ -310,15 +310,17 @@ def decode_loop(
     """Run ``step`` up to ``k`` times inside ``lax.while_loop``; stop when every row is done.
 
     ``state`` must have a ``done: bool[B]`` field and, for ``unroll > 1``, a
-    ``with_done(done)`` method (:class:`~jaxlab.infer.state.DecodeState`, :class:`Staging`). Returns ``(state, tokens i32[k, B],
-    done bool[B])``. ``done`` is a separate output buffer (not the state's), so it stays
-    valid after the state is donated to the next call: a caller may dispatch chunk
-    ``i + 1`` before reading chunk ``i``'s flags.
+    ``with_done(done)`` method (:class:`~jaxlab.infer.state.DecodeState`,
+    :class:`Staging`). Returns ``(state, tokens i32[k, B], done bool[B])``. ``done`` is a
+    separate output buffer (not the state's), so it stays valid after the state is donated
+    to the next call: a caller may dispatch chunk ``i + 1`` before reading chunk ``i``'s
+    flags.
 
-    ``unroll`` steps run per loop trip (:attr:`~jaxlab.runtime.tuning.Tuning.unroll_decode_rows`).
-    A step past ``k`` in the last trip runs with every row marked done, so it advances and
-    writes nothing, and emits nothing; the rows' own flags are put back after it. The
-    tokens are those of ``unroll=1``.
+    ``unroll`` steps run per loop trip
+    (:attr:`~jaxlab.runtime.tuning.Tuning.unroll_decode_rows`). A step past ``k`` in the
+    last trip runs with every row marked done, so it advances and writes nothing, and emits
+    nothing; the rows' own flags are put back after it. The tokens are those of
+    ``unroll=1``.
     """
     b = state.done.shape[0]  # type: ignore[attr-defined]
     out = jnp.full((k, b), NO_TOKEN, jnp.int32)
